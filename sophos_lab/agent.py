@@ -1,0 +1,142 @@
+"""The agent graph: START → agent ⇄ tools → END, and how its failures become error codes.
+
+The graph holds no resources of its own. The model, the tools and the system prompt are
+resolved when a node runs, so compiling the graph or reading a thread's state never starts an
+MCP server and never calls the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, SystemMessage
+from langchain_core.runnables import RunnableConfig
+from langchain_core.tools import BaseTool
+from langgraph.checkpoint.base import BaseCheckpointSaver
+from langgraph.errors import GraphRecursionError
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode
+
+from . import errors
+from .settings import Settings
+
+DEFAULT_SYSTEM_PROMPT = "You are an AI assistant with access to MCP tools."
+_MODEL_NOT_FOUND = re.compile(r"model .* not found", re.IGNORECASE)
+
+
+class ModelUnavailable(Exception):
+    """Ollama answered that the configured model does not exist."""
+
+
+@dataclass
+class AgentParts:
+    """What the nodes resolve each time they run."""
+
+    model: Callable[[], BaseChatModel]
+    tools: Callable[[], Awaitable[list[BaseTool]]]
+    system_prompt: Callable[[], str]
+
+
+def read_system_prompt(settings: Settings) -> str:
+    """`CONFIG_DIR/system.md`, read on every model call; an empty file means the default prompt.
+
+    A missing file raises, which fails the run with the path in the message.
+    """
+    text = settings.system_prompt_path.read_text(encoding="utf-8").strip()
+    return text or DEFAULT_SYSTEM_PROMPT
+
+
+def chat_model(settings: Settings) -> BaseChatModel:
+    """ChatOllama pointed at `OLLAMA_HOST` / `OLLAMA_MODEL` (the scripted model or a real Ollama)."""
+    from langchain_ollama import ChatOllama
+
+    return ChatOllama(model=settings.ollama_model, base_url=settings.ollama_host)
+
+
+def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):
+    """Compile the graph. With `parts=None` the graph can only be read, not run."""
+
+    async def agent(state: MessagesState, config: RunnableConfig) -> dict:
+        assert parts is not None, "this graph was built for reading only"
+        tools = await parts.tools()
+        model = parts.model()
+        bound = model.bind_tools(tools) if tools else model
+        prompt = [SystemMessage(parts.system_prompt()), *state["messages"]]
+        try:
+            response = await bound.ainvoke(prompt, config)
+        except Exception as error:
+            if _MODEL_NOT_FOUND.search(str(error)):
+                raise ModelUnavailable(str(error)) from error
+            raise
+        return {"messages": [response]}
+
+    async def tools(state: MessagesState, config: RunnableConfig) -> dict:
+        assert parts is not None, "this graph was built for reading only"
+        # One task for all tool calls of a turn: that task is the unit a resume repeats.
+        node = ToolNode(await parts.tools())
+        return await node.ainvoke(state, config)
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_node("tools", tools)
+    builder.add_edge(START, "agent")
+    builder.add_conditional_edges("agent", route_after_agent, ["tools", END])
+    builder.add_edge("tools", "agent")
+    return builder.compile(checkpointer=checkpointer)
+
+
+def route_after_agent(state: MessagesState) -> str:
+    last = state["messages"][-1]
+    return "tools" if isinstance(last, AIMessage) and last.tool_calls else END
+
+
+def classify_error(error: BaseException) -> tuple[str, str]:
+    """An exception that escaped the graph, as `(error_code, message)`."""
+    if isinstance(error, GraphRecursionError):
+        return errors.RECURSION_LIMIT, errors.RECURSION_LIMIT_MESSAGE
+    if isinstance(error, ModelUnavailable):
+        return errors.MODEL_UNAVAILABLE, errors.MODEL_UNAVAILABLE_MESSAGE
+    return errors.AGENT_FAILURE, str(error) or type(error).__name__ or "Agent failed"
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """The answer of the readiness check: advisory, it never blocks a run."""
+
+    ok: bool
+    message: str
+    models: tuple[str, ...] = ()
+
+
+def check_model(settings: Settings, timeout: float = 3.0) -> Readiness:
+    """Like the original's `readyz`: does `OLLAMA_HOST` answer and list `OLLAMA_MODEL`?"""
+    url = settings.ollama_host.rstrip("/") + "/api/tags"
+    if "://" not in url:
+        url = "http://" + url
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            body = json.load(response)
+    except urllib.error.HTTPError as error:
+        return Readiness(False, f"Ollama service not available (HTTP {error.code})")
+    except (OSError, ValueError):
+        return Readiness(False, "Failed to connect to Ollama")
+    names = tuple(model.get("name", "") for model in body.get("models", []))
+    if any(settings.ollama_model in name for name in names):
+        return Readiness(True, "ok", names)
+    return Readiness(False, f'Ollama model "{settings.ollama_model}" not available', names)
+
+
+async def check_model_async(settings: Settings) -> Readiness:
+    return await asyncio.to_thread(check_model, settings)
+
+
+def tool_names(message: Any) -> list[str]:
+    return [call["name"] for call in getattr(message, "tool_calls", None) or []]

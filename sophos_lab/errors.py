@@ -1,0 +1,41 @@
+"""Error codes and the exception that carries them.
+
+Run outcomes use `AGENT_FAILURE`, `MODEL_UNAVAILABLE`, `RECURSION_LIMIT` (as in the original) and
+`SHUTDOWN` (the kit's honest cause for a run stopped by a graceful shutdown). Requests that are
+refused before a run starts use `BAD_REQUEST`, `NOT_FOUND`, `SESSION_IN_PROGRESS` and
+`RUN_NOT_RESUMABLE`; a database the code cannot use raises `SCHEMA_TOO_NEW` or `CONFIG_ERROR`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AGENT_FAILURE = "AGENT_FAILURE"
+MODEL_UNAVAILABLE = "MODEL_UNAVAILABLE"
+RECURSION_LIMIT = "RECURSION_LIMIT"
+SHUTDOWN = "SHUTDOWN"
+
+BAD_REQUEST = "BAD_REQUEST"
+NOT_FOUND = "NOT_FOUND"
+SESSION_IN_PROGRESS = "SESSION_IN_PROGRESS"
+RUN_NOT_RESUMABLE = "RUN_NOT_RESUMABLE"
+SCHEMA_TOO_NEW = "SCHEMA_TOO_NEW"
+CONFIG_ERROR = "CONFIG_ERROR"
+
+RECURSION_LIMIT_MESSAGE = "The agent reached its step limit (AGENT_RECURSION_LIMIT) without finishing."
+MODEL_UNAVAILABLE_MESSAGE = "The configured Ollama model is not available."
+SHUTDOWN_MESSAGE = "The process shut down before the run finished; its progress is saved."
+
+
+@dataclass
+class SophosError(Exception):
+    """A refusal or failure with a stable code and a message for people."""
+
+    code: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}

@@ -1,0 +1,173 @@
+"""Read-only views of a lab database as pandas DataFrames.
+
+Everything here opens the file read-only and never goes through `Store`, so looking never
+triggers crash recovery: a run left `running` by a killed process still reads `running` here
+until the next runtime opens the file. Checkpoints are read through LangGraph (the sync saver on
+the read-only connection and a graph built for reading), never by decoding tables by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .export import checkpoint_record
+from .messages import message_dtos
+from .service import thread_config
+
+RUN_COLUMNS = ["id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at"]
+CONVERSATION_COLUMNS = ["id", "title", "created_at", "updated_at", "message_count"]
+CHECKPOINT_COLUMNS = [
+    "step", "source", "next", "message_count", "last_role", "run_id", "checkpoint_id", "created_at",
+]
+WRITE_COLUMNS = ["checkpoint_id", "step", "task_id", "task_path", "idx", "channel", "value"]
+MESSAGE_COLUMNS = ["role", "content", "name", "status", "tool_calls"]
+
+
+@contextlib.contextmanager
+def read_only(db_path: str | Path) -> Iterator[sqlite3.Connection | None]:
+    """A read-only connection, or None when the file does not exist yet."""
+    path = Path(db_path)
+    if not path.exists():
+        yield None
+        return
+    conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+
+def _query(db_path: str | Path, table: str, sql: str, params: tuple, columns: list[str]) -> pd.DataFrame:
+    with read_only(db_path) as conn:
+        if conn is None or not _has_table(conn, table):
+            return pd.DataFrame(columns=columns)
+        return pd.read_sql_query(sql, conn, params=params)
+
+
+def peek_runs(db_path: str | Path, conversation: str | None = None) -> pd.DataFrame:
+    """The runs table as it is on disk (what `sqlite3 $DB "SELECT ..."` shows), in start order."""
+    where, params = ("WHERE conversation_id = ?", (conversation,)) if conversation else ("", ())
+    return _query(
+        db_path, "runs", f"SELECT * FROM runs {where} ORDER BY started_at, rowid", params, RUN_COLUMNS
+    )
+
+
+def conversations(db_path: str | Path) -> pd.DataFrame:
+    """Conversations, most recently updated first."""
+    return _query(
+        db_path, "conversations", "SELECT * FROM conversations ORDER BY updated_at DESC", (),
+        CONVERSATION_COLUMNS,
+    )
+
+
+def _history(db_path: str | Path, conversation: str) -> list[Any]:
+    """The thread's `StateSnapshot`s, oldest first (empty when nothing was checkpointed)."""
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    from .agent import build_graph
+
+    with read_only(db_path) as conn:
+        if conn is None or not _has_table(conn, "checkpoints"):
+            return []
+        saver = SqliteSaver(conn)
+        saver.is_setup = True  # the tables exist; setup() would try to write
+        graph = build_graph(None, saver)
+        return list(graph.get_state_history(thread_config(conversation)))[::-1]
+
+
+def checkpoints(db_path: str | Path, conversation: str) -> pd.DataFrame:
+    """One row per checkpoint of the thread, oldest first, joined to the run that wrote it."""
+    rows = []
+    for snapshot in _history(db_path, conversation):
+        record = checkpoint_record(snapshot)
+        last = record["last_message"]
+        rows.append({
+            "step": record["step"],
+            "source": record["source"],
+            "next": tuple(record["next"]),
+            "message_count": record["message_count"],
+            "last_role": last["role"] if last else None,
+            "run_id": record["run_id"],
+            "checkpoint_id": record["checkpoint_id"],
+            "created_at": record["created_at"],
+        })
+    return pd.DataFrame(rows, columns=CHECKPOINT_COLUMNS)
+
+
+def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
+    """The `writes` table of the thread: what each task wrote, including `__error__`."""
+    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+    serde = JsonPlusSerializer()
+    steps = {row["checkpoint_id"]: row["step"] for _, row in checkpoints(db_path, conversation).iterrows()}
+    with read_only(db_path) as conn:
+        if conn is None or not _has_table(conn, "writes"):
+            return pd.DataFrame(columns=WRITE_COLUMNS)
+        rows = conn.execute(
+            "SELECT checkpoint_id, task_id, task_path, idx, channel, type, value FROM writes"
+            " WHERE thread_id = ? ORDER BY checkpoint_id, task_id, idx",
+            (conversation,),
+        ).fetchall()
+    records = []
+    for checkpoint_id, task_id, task_path, idx, channel, type_, value in rows:
+        records.append({
+            "checkpoint_id": checkpoint_id,
+            "step": steps.get(checkpoint_id),
+            "task_id": task_id,
+            "task_path": task_path,
+            "idx": idx,
+            "channel": channel,
+            "value": _short(serde.loads_typed((type_, value))),
+        })
+    return pd.DataFrame(records, columns=WRITE_COLUMNS)
+
+
+def messages(db_path: str | Path, conversation: str) -> pd.DataFrame:
+    """The messages of the latest checkpoint."""
+    history = _history(db_path, conversation)
+    dtos = message_dtos(history[-1].values.get("messages", [])) if history else []
+    return pd.DataFrame(
+        [{
+            "role": m["role"],
+            "content": m["content"],
+            "name": m.get("name"),
+            "status": m.get("status"),
+            "tool_calls": [call["name"] for call in m.get("toolCalls", [])] or None,
+        } for m in dtos],
+        columns=MESSAGE_COLUMNS,
+    )
+
+
+def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
+    """What the seed's `state()` shell helper prints: runs, the last checkpoint, resumable, roles.
+
+    `resumable` here is `next` non-empty and no run of this conversation recorded `running`.
+    """
+    runs = peek_runs(db_path, conversation)
+    history = _history(db_path, conversation)
+    last = checkpoint_record(history[-1]) if history else None
+    dtos = message_dtos(history[-1].values.get("messages", [])) if history else []
+    busy = bool((runs["status"] == "running").any()) if len(runs) else False
+    return {
+        "runs": [(row.status, row.error_code) for row in runs.itertuples()],
+        "last_checkpoint": None if last is None else {
+            "step": last["step"], "next": last["next"], "message_count": last["message_count"],
+        },
+        "resumable": bool(last and last["next"]) and not busy,
+        "roles": [m["role"] for m in dtos],
+    }
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

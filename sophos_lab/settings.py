@@ -1,0 +1,87 @@
+"""Settings read from the environment, with the original system's names and defaults."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+DEFAULT_OLLAMA_HOST = "http://localhost:11434"
+DEFAULT_OLLAMA_MODEL = "qwen3"
+DEFAULT_DATABASE_PATH = "data/db/sophos.db"
+DEFAULT_CONFIG_DIR = "config"
+DEFAULT_MEMORY_FILE_PATH = "data/memory/memory.jsonl"
+DEFAULT_RECURSION_LIMIT = 25
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the runtime needs to know about its surroundings.
+
+    Unset and empty variables both fall back to the default, as in the original.
+    Relative paths are resolved against the working directory when the settings are built.
+    """
+
+    ollama_host: str = DEFAULT_OLLAMA_HOST
+    ollama_model: str = DEFAULT_OLLAMA_MODEL
+    database_path: Path = Path(DEFAULT_DATABASE_PATH)
+    config_dir: Path = Path(DEFAULT_CONFIG_DIR)
+    memory_file_path: Path = Path(DEFAULT_MEMORY_FILE_PATH)
+    recursion_limit: int = DEFAULT_RECURSION_LIMIT
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    naive_shutdown: bool = False
+    """Reproduce the original's shutdown (close everything, no drain) instead of draining."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from `environ` (default: `os.environ`)."""
+        env = os.environ if environ is None else environ
+
+        def get(name: str, default: str) -> str:
+            return env.get(name) or default
+
+        return cls(
+            ollama_host=get("OLLAMA_HOST", DEFAULT_OLLAMA_HOST),
+            ollama_model=get("OLLAMA_MODEL", DEFAULT_OLLAMA_MODEL),
+            database_path=_absolute(get("DATABASE_PATH", DEFAULT_DATABASE_PATH)),
+            config_dir=_absolute(get("CONFIG_DIR", DEFAULT_CONFIG_DIR)),
+            memory_file_path=_absolute(get("MEMORY_FILE_PATH", DEFAULT_MEMORY_FILE_PATH)),
+            recursion_limit=_positive_int(env.get("AGENT_RECURSION_LIMIT"), DEFAULT_RECURSION_LIMIT),
+            shutdown_timeout=_positive_float(env.get("SHUTDOWN_TIMEOUT"), DEFAULT_SHUTDOWN_TIMEOUT),
+            naive_shutdown=(env.get("SOPHOS_LAB_NAIVE_SHUTDOWN") or "").lower() in ("1", "true", "yes"),
+        )
+
+    def with_changes(self, **changes: object) -> Settings:
+        """A copy with some fields replaced."""
+        return replace(self, **changes)
+
+    @property
+    def system_prompt_path(self) -> Path:
+        return self.config_dir / "system.md"
+
+    @property
+    def mcp_config_path(self) -> Path:
+        return self.config_dir / "mcp.json"
+
+
+def _absolute(value: str) -> Path:
+    return Path(value).expanduser().absolute()
+
+
+def _positive_int(raw: str | None, default: int) -> int:
+    """The original's rule: unset, empty, non-integer or <= 0 all mean the default."""
+    try:
+        value = int(raw or "")
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def _positive_float(raw: str | None, default: float) -> float:
+    try:
+        value = float(raw or "")
+    except ValueError:
+        return default
+    return value if value > 0 else default

@@ -1,0 +1,229 @@
+"""MCP tools: the `mcp.json` configuration and discovery over persistent sessions.
+
+Tools are discovered when a graph node first needs them, never when state is read. Each server
+keeps one session for the life of the process (a new session per call would start a new server
+process per call). A failed discovery closes whatever it started, and the next run tries again
+with the configuration read afresh, so a fixed `mcp.json` needs no restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from langchain_core.tools import BaseTool
+
+from .errors import CONFIG_ERROR, SophosError
+from .settings import Settings
+
+DISCOVERY_TIMEOUT = 60.0
+_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_SERVER_NAME = re.compile(r"^[A-Za-z0-9-]+$")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One MCP server: a stdio command or a streamable HTTP url."""
+
+    name: str
+    command: str | None = None
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    url: str | None = None
+
+    @property
+    def transport(self) -> str:
+        return "stdio" if self.command else "http"
+
+
+class ToolsUnavailable(Exception):
+    """Discovery failed: a server did not start, answer or list its tools."""
+
+
+def kit_variables(settings: Settings) -> dict[str, str]:
+    """The `${VAR}` values the kit supplies on top of the environment."""
+    root = Path(__file__).resolve().parent.parent
+    return {
+        "MEMORY_FILE_PATH": str(settings.memory_file_path),
+        "SOPHOS_LAB_PYTHON": sys.executable,
+        "SOPHOS_LAB_PYTHON_BIN": str(Path(sys.executable).parent),
+        "SOPHOS_LAB_ROOT": str(root),
+    }
+
+
+def load_mcp_config(path: Path, variables: Mapping[str, str]) -> list[ServerConfig]:
+    """Read and check `mcp.json`: a JSON object mapping server names to connection objects."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SophosError(CONFIG_ERROR, f"MCP configuration not found: {path.absolute()}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SophosError(CONFIG_ERROR, f"{path}: not valid JSON ({error})") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise SophosError(CONFIG_ERROR, f"{path} must map server names to objects")
+    return [_server_config(path, name, entry, variables) for name, entry in data.items()]
+
+
+def _server_config(path: Path, name: str, entry: dict, variables: Mapping[str, str]) -> ServerConfig:
+    def bad(why: str) -> SophosError:
+        return SophosError(CONFIG_ERROR, f"{path}: server {name!r}: {why}")
+
+    def expand(value: object, where: str) -> str:
+        if not isinstance(value, str):
+            raise bad(f"{where} must be a string")
+
+        def lookup(match: re.Match) -> str:
+            if match.group(1) not in variables:
+                raise bad(f"{where} uses ${{{match.group(1)}}}, which is not set")
+            return variables[match.group(1)]
+
+        return _PLACEHOLDER.sub(lookup, value)
+
+    if not _SERVER_NAME.match(name):
+        raise bad("names may use letters, digits and '-' only")
+    unknown = set(entry) - {"command", "args", "env", "cwd", "url", "transport"}
+    if unknown:
+        raise bad(f"unknown keys {sorted(unknown)}")
+    if ("command" in entry) == ("url" in entry):
+        raise bad("give exactly one of 'command' (stdio) or 'url' (streamable HTTP)")
+    if "url" in entry:
+        return ServerConfig(name=name, url=expand(entry["url"], "url"))
+    args = entry.get("args", [])
+    env = entry.get("env", {})
+    if not isinstance(args, list):
+        raise bad("args must be a list of strings")
+    if not isinstance(env, dict):
+        raise bad("env must map names to strings")
+    return ServerConfig(
+        name=name,
+        command=expand(entry["command"], "command"),
+        args=tuple(expand(arg, "args") for arg in args),
+        env={key: expand(value, f"env.{key}") for key, value in env.items()},
+        cwd=expand(entry["cwd"], "cwd") if "cwd" in entry else None,
+    )
+
+
+@contextlib.asynccontextmanager
+async def open_session(server: ServerConfig, errlog: IO[str]):
+    """An initialised MCP client session to one server."""
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+    from mcp.client.streamable_http import streamablehttp_client
+
+    if server.command:
+        params = StdioServerParameters(
+            command=server.command, args=list(server.args), env=dict(server.env) or None, cwd=server.cwd
+        )
+        transport = stdio_client(params, errlog=errlog)
+    else:
+        transport = streamablehttp_client(server.url)
+    async with transport as streams:
+        async with ClientSession(streams[0], streams[1]) as session:
+            await session.initialize()
+            yield session
+
+
+async def discover_tools(session: Any, server_name: str) -> list[BaseTool]:
+    """The server's tools, renamed `<server>__<tool>` like the original."""
+    from langchain_mcp_adapters.tools import load_mcp_tools
+
+    tools = await load_mcp_tools(session, server_name=server_name)
+    # The adapter's call closure keeps the MCP tool's own name, so renaming is safe.
+    return [tool.model_copy(update={"name": f"{server_name}__{tool.name}"}) for tool in tools]
+
+
+class McpTools:
+    """The process's MCP tools: discovered once, on first need, over persistent sessions.
+
+    The sessions are entered and left inside one asyncio task (the host), as the MCP client
+    requires; tools found there are safe to call from any task on the same loop.
+    """
+
+    def __init__(self, settings: Settings, log_dir: Path | None = None) -> None:
+        self.settings = settings
+        self.log_dir = log_dir
+        self._tools: asyncio.Future[list[BaseTool]] | None = None
+        self._stop: asyncio.Event | None = None
+        self._host: asyncio.Task | None = None
+
+    @property
+    def discovered(self) -> bool:
+        return self._tools is not None and self._tools.done() and not self._tools.exception()
+
+    async def get(self) -> list[BaseTool]:
+        """All tools; concurrent first callers share one discovery attempt."""
+        if self._tools is None:
+            self._tools = asyncio.get_running_loop().create_future()
+            self._stop = asyncio.Event()
+            self._host = asyncio.create_task(self._serve(self._tools, self._stop))
+        tools_future = self._tools
+        try:
+            return await asyncio.shield(tools_future)
+        except ToolsUnavailable:
+            if self._tools is tools_future:
+                self._tools = None  # the next run retries with mcp.json read again
+            raise
+
+    async def aclose(self) -> None:
+        """Stop the servers this process started."""
+        host, stop = self._host, self._stop
+        self._tools = self._host = self._stop = None
+        if host is not None and stop is not None:
+            stop.set()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(host, timeout=10)
+
+    async def _serve(self, ready: asyncio.Future, stop: asyncio.Event) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            tools: list[BaseTool] = []
+            name = "?"
+            try:
+                servers = load_mcp_config(
+                    self.settings.mcp_config_path, {**os.environ, **kit_variables(self.settings)}
+                )
+                for server in servers:
+                    name = server.name
+                    errlog = stack.enter_context(self._errlog(server.name))
+                    session = await asyncio.wait_for(
+                        stack.enter_async_context(open_session(server, errlog)), DISCOVERY_TIMEOUT
+                    )
+                    tools += await asyncio.wait_for(discover_tools(session, server.name), DISCOVERY_TIMEOUT)
+            except SophosError as error:
+                ready.set_exception(ToolsUnavailable(error.message))
+                return
+            except BaseException as error:  # anyio wraps failures in exception groups
+                ready.set_exception(
+                    ToolsUnavailable(f'Failed to load tools from server "{name}": {_describe(error)}')
+                )
+                if isinstance(error, asyncio.CancelledError):
+                    raise
+                return
+            ready.set_result(tools)
+            await stop.wait()
+
+    def _errlog(self, server_name: str) -> contextlib.AbstractContextManager[IO[str]]:
+        """Where a stdio server's stderr goes: a log file in the lab, else this process's stderr."""
+        if self.log_dir is None:
+            return contextlib.nullcontext(sys.__stderr__)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return open(self.log_dir / f"mcp-{server_name}.log", "a", encoding="utf-8")
+
+
+def _describe(error: BaseException) -> str:
+    """The innermost useful message of a possibly grouped exception."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+        return "timed out"
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

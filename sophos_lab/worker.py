@@ -1,0 +1,154 @@
+"""The agent as a child process that a lab can kill: a plain subprocess or a Jupyter kernel.
+
+Both run a `ChildRuntime`, which writes each event as one line `@@sophos {json}` on stdout and
+handles SIGTERM:
+
+- by default it drains: no new runs, the active run stops at its next step boundary (or is
+  cancelled when `SHUTDOWN_TIMEOUT` runs out) and is recorded `interrupted` with `SHUTDOWN`,
+  then MCP and SQLite are closed and the process exits;
+- with `SOPHOS_LAB_NAIVE_SHUTDOWN=1` it does what the original did: close MCP and SQLite at
+  once and let the active run fail against the closed database.
+
+`python -m sophos_lab.worker` reads one JSON command per line on stdin:
+`{"cmd": "chat", "message": ..., "conversation": ...}`, `{"cmd": "resume", "conversation": ...}`,
+`{"cmd": "exit"}`. A refused command answers with a `rejected` event `{code, message}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .errors import SophosError
+from .service import ActiveRun, AgentService
+from .settings import Settings
+
+EVENT_PREFIX = "@@sophos "
+
+
+def emit_line(payload: dict[str, Any]) -> None:
+    """Write one event line on stdout (the channel both backends read)."""
+    sys.stdout.write(EVENT_PREFIX + json.dumps(payload, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def parse_line(line: str) -> dict[str, Any] | None:
+    """The event of an `@@sophos` line, or None for any other output."""
+    line = line.strip()
+    if not line.startswith(EVENT_PREFIX):
+        return None
+    return json.loads(line[len(EVENT_PREFIX):])
+
+
+class ChildRuntime:
+    """An `AgentService` whose events go to stdout and which shuts down on SIGTERM."""
+
+    def __init__(self, settings: Settings | None = None, emit: Callable[[dict], None] = emit_line) -> None:
+        log_dir = os.environ.get("SOPHOS_LAB_LOG_DIR")
+        self.service = AgentService(settings, log_dir=Path(log_dir) if log_dir else None)
+        self.emit = emit
+        self.shutdown_requested = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    async def chat(self, message: str, conversation: str | None = None) -> dict[str, Any] | None:
+        """Run one chat turn to its end, emitting its events; returns the final event."""
+        return await self._follow(lambda: self.service.chat(message, conversation), "chat")
+
+    async def resume(self, conversation: str) -> dict[str, Any] | None:
+        return await self._follow(lambda: self.service.resume(conversation), "resume")
+
+    async def _follow(self, start: Callable, command: str) -> dict[str, Any] | None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            run: ActiveRun = await start()
+        except SophosError as error:
+            self.emit({"event": "rejected", "data": {**error.to_dict(), "cmd": command}})
+            return None
+        final = None
+        async for event in run.events():
+            final = event.to_dict()
+            self.emit(final)
+        if self.shutdown_requested and not self.service.active:
+            await self._exit()
+        return final
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.shutdown_requested = True
+        naive = self.service.settings.naive_shutdown
+        self.emit({"event": "shutdown-requested", "data": {
+            "naive": naive, "active_runs": [run.id for run in self.service.active.values()],
+        }})
+        if not self.service.active or self._loop is None:
+            self.service.store.close()
+            self.emit({"event": "exited", "data": {"reason": "sigterm"}})
+            os._exit(0)
+        if naive:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.service.aclose()))
+        else:
+            self.service.request_drain("sigterm")
+            timeout = self.service.settings.shutdown_timeout
+            self._loop.call_soon_threadsafe(lambda: self._loop.call_later(timeout, self._cancel_active))
+
+    def _cancel_active(self) -> None:
+        for run in self.service.active.values():
+            if run.task is not None:
+                run.task.cancel()
+
+    async def _exit(self) -> None:
+        await self.service.aclose()
+        self.emit({"event": "exited", "data": {"reason": "sigterm"}})
+        os._exit(0)
+
+
+async def serve_stdin(runtime: ChildRuntime) -> None:
+    """Read commands from stdin until `exit` or end of input; runs proceed concurrently."""
+    loop = asyncio.get_running_loop()
+    runtime._loop = loop
+    runtime.emit({"event": "ready", "data": {"pid": os.getpid()}})
+    running: set[asyncio.Task] = set()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line or not line.strip():
+            if not line:
+                break
+            continue
+        try:
+            command = json.loads(line)
+            name = command["cmd"]
+        except (ValueError, KeyError, TypeError):
+            runtime.emit({"event": "rejected", "data": {"code": "BAD_REQUEST", "message": f"bad command: {line.strip()}"}})
+            continue
+        if name == "exit":
+            break
+        if name == "chat":
+            coro = runtime.chat(command.get("message"), command.get("conversation"))
+        elif name == "resume":
+            coro = runtime.resume(command.get("conversation"))
+        else:
+            runtime.emit({"event": "rejected", "data": {"code": "BAD_REQUEST", "message": f"unknown command {name!r}"}})
+            continue
+        task = asyncio.create_task(coro)
+        running.add(task)
+        task.add_done_callback(running.discard)
+    if running:
+        await asyncio.wait(running)
+    await runtime.service.aclose()
+
+
+def main() -> None:
+    runtime = ChildRuntime()
+    runtime.install_signal_handlers()
+    asyncio.run(serve_stdin(runtime))
+
+
+if __name__ == "__main__":
+    main()
