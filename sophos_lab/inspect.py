@@ -171,3 +171,28 @@ def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
 def _short(value: Any, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def timeline(db_path: str | Path, conversation: str):
+    """A matplotlib figure: each run as a bar from start to finish, each checkpoint as a tick."""
+    import matplotlib.pyplot as plt
+
+    colours = {"completed": "tab:green", "failed": "tab:red", "interrupted": "tab:orange", "running": "tab:blue"}
+    runs = peek_runs(db_path, conversation)
+    points = checkpoints(db_path, conversation)
+    figure, axes = plt.subplots(figsize=(9, 1.2 + 0.45 * max(len(runs), 1)))
+    for row, run in enumerate(runs.itertuples()):
+        start = pd.Timestamp(run.started_at)
+        end = pd.Timestamp(run.finished_at) if run.finished_at else start
+        axes.barh(row, (end - start).total_seconds(), left=start.timestamp(), color=colours.get(run.status, "grey"))
+        axes.text(start.timestamp(), row, f" run {row + 1}: {run.status} {run.error_code or ''}", va="center", fontsize=8)
+        mine = points[points["run_id"] == run.id]
+        times = [pd.Timestamp(t).timestamp() for t in mine["created_at"]]
+        axes.scatter(times, [row - 0.3] * len(times), marker="|", color="black")
+        for time, step in zip(times, mine["step"]):
+            axes.annotate(str(step), (time, row - 0.45), fontsize=7, ha="center")
+    axes.set_yticks([])
+    axes.set_xlabel("time (s since epoch); ticks are checkpoints, labelled with their step")
+    axes.set_title(f"runs and checkpoints of {conversation[:8]}…")
+    figure.tight_layout()
+    return figure

@@ -52,10 +52,16 @@ class ToolsUnavailable(Exception):
 def kit_variables(settings: Settings) -> dict[str, str]:
     """The `${VAR}` values the kit supplies on top of the environment."""
     root = Path(__file__).resolve().parent.parent
+    # A venv of its own starts the fetch server in about 1 s instead of 4: the kit's venv
+    # makes it import jupyter's jsonschema format checkers. Without one, ours serves.
+    fetch_python = root / ".tools" / "fetch" / "bin" / "python"
+    if not fetch_python.exists():
+        fetch_python = Path(sys.executable)
     return {
         "MEMORY_FILE_PATH": str(settings.memory_file_path),
         "SOPHOS_LAB_PYTHON": sys.executable,
-        "SOPHOS_LAB_PYTHON_BIN": str(Path(sys.executable).parent),
+        "SOPHOS_LAB_FETCH_PYTHON": str(fetch_python),
+        "SOPHOS_LAB_FETCH_BIN": str(fetch_python.parent),
         "SOPHOS_LAB_ROOT": str(root),
     }
 
@@ -185,32 +191,42 @@ class McpTools:
                 await asyncio.wait_for(host, timeout=10)
 
     async def _serve(self, ready: asyncio.Future, stop: asyncio.Event) -> None:
-        async with contextlib.AsyncExitStack() as stack:
-            tools: list[BaseTool] = []
-            name = "?"
-            try:
-                servers = load_mcp_config(
-                    self.settings.mcp_config_path, {**os.environ, **kit_variables(self.settings)}
-                )
-                for server in servers:
-                    name = server.name
-                    errlog = stack.enter_context(self._errlog(server.name))
+        """Start every server at once, each in a task of its own; serve until `stop`."""
+        try:
+            servers = load_mcp_config(self.settings.mcp_config_path, {**os.environ, **kit_variables(self.settings)})
+        except SophosError as error:
+            ready.set_exception(ToolsUnavailable(error.message))
+            return
+        found = [asyncio.get_running_loop().create_future() for _ in servers]
+        hosts = [asyncio.create_task(self._serve_one(s, f, stop)) for s, f in zip(servers, found)]
+        try:
+            results = await asyncio.gather(*found)
+        except ToolsUnavailable as error:
+            ready.set_exception(error)
+            stop.set()
+        else:
+            ready.set_result([tool for tools in results for tool in tools])
+        finally:
+            await asyncio.gather(*hosts, return_exceptions=True)
+
+    async def _serve_one(self, server: ServerConfig, found: asyncio.Future, stop: asyncio.Event) -> None:
+        """Hold one server's session open (entered and left in this task) until `stop`."""
+        try:
+            with self._errlog(server.name) as errlog:
+                async with contextlib.AsyncExitStack() as stack:
                     session = await asyncio.wait_for(
                         stack.enter_async_context(open_session(server, errlog)), DISCOVERY_TIMEOUT
                     )
-                    tools += await asyncio.wait_for(discover_tools(session, server.name), DISCOVERY_TIMEOUT)
-            except SophosError as error:
-                ready.set_exception(ToolsUnavailable(error.message))
-                return
-            except BaseException as error:  # anyio wraps failures in exception groups
-                ready.set_exception(
-                    ToolsUnavailable(f'Failed to load tools from server "{name}": {_describe(error)}')
+                    tools = await asyncio.wait_for(discover_tools(session, server.name), DISCOVERY_TIMEOUT)
+                    found.set_result(tools)
+                    await stop.wait()
+        except BaseException as error:  # anyio wraps failures in exception groups
+            if not found.done():
+                found.set_exception(
+                    ToolsUnavailable(f'Failed to load tools from server "{server.name}": {_describe(error)}')
                 )
-                if isinstance(error, asyncio.CancelledError):
-                    raise
-                return
-            ready.set_result(tools)
-            await stop.wait()
+            if isinstance(error, asyncio.CancelledError):
+                raise
 
     def _errlog(self, server_name: str) -> contextlib.AbstractContextManager[IO[str]]:
         """Where a stdio server's stderr goes: a log file in the lab, else this process's stderr."""

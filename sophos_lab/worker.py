@@ -46,10 +46,19 @@ def parse_line(line: str) -> dict[str, Any] | None:
     return json.loads(line[len(EVENT_PREFIX):])
 
 
+def warm_imports() -> None:
+    """Import the model and MCP clients now, so a child's first run does not pay for them."""
+    import langchain_mcp_adapters.tools  # noqa: F401
+    import langchain_ollama  # noqa: F401
+    import mcp.client.stdio  # noqa: F401
+    import mcp.client.streamable_http  # noqa: F401
+
+
 class ChildRuntime:
     """An `AgentService` whose events go to stdout and which shuts down on SIGTERM."""
 
     def __init__(self, settings: Settings | None = None, emit: Callable[[dict], None] = emit_line) -> None:
+        warm_imports()
         log_dir = os.environ.get("SOPHOS_LAB_LOG_DIR")
         self.service = AgentService(settings, log_dir=Path(log_dir) if log_dir else None)
         self.emit = emit

@@ -1,0 +1,1 @@
+"""sophos_lab: a Jupyter teaching lab for durable LLM agents."""

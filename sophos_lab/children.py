@@ -1,0 +1,346 @@
+"""Children that run the agent where a lab can kill them: a plain subprocess or a Jupyter kernel.
+
+Both have the same small interface: `chat()` and `resume()` return at once; `wait_for()` blocks
+until the child's event stream shows a given event (a barrier, never a timer); `kill()` sends
+SIGKILL to the child's whole process group; `shutdown()` sends SIGTERM to the child alone and
+waits for it to finish its graceful path; `is_alive()`; `start()` starts a fresh child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .worker import parse_line
+
+EXITED = "process-exited"
+KERNEL_ERROR = "kernel-error"
+FATAL_EVENTS = (EXITED, KERNEL_ERROR)
+
+
+class ChildFailed(RuntimeError):
+    """The child died, or its cell raised, while we were waiting for one of its events."""
+
+
+class EventLog:
+    """The events a child has emitted, with a way to wait for one."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.mark = 0
+        """Where `wait_for` starts looking by default: the first event of the latest command."""
+        self._changed = threading.Condition()
+
+    def append(self, event: dict[str, Any]) -> None:
+        with self._changed:
+            self.events.append(event)
+            self._changed.notify_all()
+
+    def start_command(self) -> None:
+        with self._changed:
+            self.mark = len(self.events)
+
+    def wait_for(
+        self, names: str | tuple[str, ...], timeout: float = 60.0, since: int | None = None, **fields: Any
+    ) -> dict[str, Any]:
+        """The first event named `names` (one or several) whose data has `fields`, from `since`."""
+        names = (names,) if isinstance(names, str) else names
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            index = self.mark if since is None else since
+            while True:
+                for event in self.events[index:]:
+                    if _matches(event, names, fields):
+                        return event
+                    if event["event"] in FATAL_EVENTS and event["event"] not in names:
+                        raise ChildFailed(
+                            f"{event['event']} ({event['data']}) before {names} {fields or ''}"
+                        )
+                index = len(self.events)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no {names} event {fields or ''} within {timeout} s")
+                self._changed.wait(remaining)
+
+    def of_command(self) -> list[dict[str, Any]]:
+        """The events since the latest command started."""
+        with self._changed:
+            return list(self.events[self.mark:])
+
+
+def _matches(event: dict[str, Any], names: tuple[str, ...], fields: Mapping[str, Any]) -> bool:
+    if event["event"] not in names:
+        return False
+    data = event.get("data")
+    return all(isinstance(data, dict) and data.get(key) == value for key, value in fields.items())
+
+
+def child_environment(overrides: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment without pytest's variables, plus the lab's settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    kit_parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (kit_parent, env.get("PYTHONPATH")) if p)
+    env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+    env.update(overrides)
+    return env
+
+
+class _Child:
+    """What both backends share: the event log and the commands."""
+
+    def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path) -> None:
+        self.env = child_environment(env)
+        self.cwd = Path(cwd)
+        self.log_path = Path(log_path)
+        self.log = EventLog()
+
+    def chat(self, message: str, conversation: str | None = None) -> None:
+        """Start a chat turn in the child; returns at once (see `wait_for`)."""
+        self.log.start_command()
+        self._send("chat", message=message, conversation=conversation)
+
+    def resume(self, conversation: str) -> None:
+        """Start a resume of `conversation` in the child; returns at once."""
+        self.log.start_command()
+        self._send("resume", conversation=conversation)
+
+    def wait_for(self, names: str | tuple[str, ...], timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
+        """Block until the latest command's stream shows the event (e.g. `"trace", event="result"`)."""
+        return self.log.wait_for(names, timeout=timeout, **fields)
+
+    def wait_final(self, timeout: float = 120.0) -> dict[str, Any]:
+        """The latest command's final event: `end`, `chat-error` or `rejected`."""
+        return self.log.wait_for(("end", "chat-error", "rejected"), timeout=timeout)
+
+    def conversation(self) -> str:
+        """The conversation of the latest command (from its `started` event)."""
+        return self.wait_for("started", timeout=60)["data"]["conversation"]
+
+    def events(self) -> list[dict[str, Any]]:
+        return self.log.of_command()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, cmd: str, **args: Any) -> None:
+        raise NotImplementedError
+
+
+class LabWorker(_Child):
+    """The agent in a plain subprocess (`python -m sophos_lab.worker`), driven over stdin/stdout."""
+
+    def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path) -> None:
+        super().__init__(env, cwd, log_path)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 60.0) -> LabWorker:
+        self.log = EventLog()
+        with open(self.log_path, "ab") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sophos_lab.worker"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                env=self.env, cwd=self.cwd, start_new_session=True, text=True, bufsize=1,
+            )
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+        self.log.wait_for("ready", timeout=timeout, since=0)
+        return self
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> int:
+        """SIGKILL to the whole process group (the worker and its MCP servers); its exit code."""
+        assert self.proc is not None
+        _killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait()
+
+    def shutdown(self, timeout: float = 60.0) -> int:
+        """SIGTERM to the worker alone, so it can drain and close its servers; its exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return self.kill()
+
+    def close(self) -> None:
+        if self.is_alive():
+            self.kill()
+
+    def _send(self, cmd: str, **args: Any) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            event = parse_line(line)
+            if event is not None:
+                self.log.append(event)
+        self.log.append({"event": EXITED, "data": {"returncode": proc.wait()}})
+
+
+KERNEL_NAME = "sophos-lab-child"
+_SETUP = (
+    "from sophos_lab.worker import ChildRuntime as _ChildRuntime\n"
+    "_sophos = _ChildRuntime()\n"
+    "_sophos.install_signal_handlers()\n"
+)
+
+
+class LabKernel(_Child):
+    """The agent in a Jupyter kernel of its own (jupyter_client), killable from the notebook.
+
+    The kernelspec is built from the running interpreter, the kernel's history stays in memory,
+    and the kernel's raw output goes to a log file. Each chat or resume is one cell executed
+    with a non-blocking `execute`; the events come back as stdout lines on IOPub.
+    """
+
+    def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path, spec_dir: Path) -> None:
+        super().__init__(env, cwd, log_path)
+        self.spec_dir = Path(spec_dir)
+        self.km = None
+        self.kc = None
+        self.output: list[str] = []
+        self._stop = threading.Event()
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.pid
+
+    def start(self, timeout: float = 60.0) -> LabKernel:
+        from jupyter_client import KernelManager
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        self._write_kernelspec()
+        self.log = EventLog()
+        self._stop = threading.Event()
+        self.km = KernelManager(
+            kernel_name=KERNEL_NAME, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(self.spec_dir)])
+        )
+        with open(self.log_path, "ab") as out:
+            self.km.start_kernel(
+                env=self.env, cwd=str(self.cwd), stdout=out, stderr=out,
+                extra_arguments=["--HistoryManager.hist_file=:memory:"],
+            )
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=timeout)
+        threading.Thread(target=self._read, args=(self.km, self.kc, self._stop), daemon=True).start()
+        self.execute(_SETUP, timeout=timeout)
+        return self
+
+    def execute(self, code: str, timeout: float = 60.0) -> None:
+        """Run code in the child kernel and wait for it to finish; raises on an error."""
+        msg_id = self.kc.execute(code, store_history=False)
+        done = self.log.wait_for("executed", timeout=timeout, since=0, msg_id=msg_id)
+        if done["data"]["error"]:
+            raise RuntimeError(f"the child kernel raised {done['data']['error']}")
+
+    def is_alive(self) -> bool:
+        return self.km is not None and self.km.is_alive()
+
+    def kill(self) -> int:
+        """SIGKILL to the kernel's process group (not `shutdown_kernel(now=True)`: no SIGINT first)."""
+        self.km.signal_kernel(signal.SIGKILL)
+        code = self.km.provisioner.process.wait()
+        self._tidy()
+        return code
+
+    def shutdown(self, timeout: float = 60.0) -> int:
+        """SIGTERM to the kernel process alone: the child drains, records, closes and exits."""
+        process = self.km.provisioner.process
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return self.kill()
+        self._tidy()
+        return code
+
+    def close(self) -> None:
+        if self.km is None:
+            return
+        if self.is_alive():
+            self.kill()
+        else:
+            self._tidy()
+
+    def _send(self, cmd: str, **args: Any) -> None:
+        if cmd == "chat":
+            code = f"await _sophos.chat({args['message']!r}, {args['conversation']!r})"
+        else:
+            code = f"await _sophos.resume({args['conversation']!r})"
+        self.kc.execute(code, store_history=False)
+
+    def _tidy(self) -> None:
+        self._stop.set()
+        self.kc.stop_channels()
+        self.km.cleanup_resources()
+
+    def _write_kernelspec(self) -> None:
+        folder = self.spec_dir / KERNEL_NAME
+        folder.mkdir(parents=True, exist_ok=True)
+        spec = {
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "sophos_lab child",
+            "language": "python",
+        }
+        (folder / "kernel.json").write_text(json.dumps(spec, indent=1))
+
+    def _read(self, km: Any, kc: Any, stop: threading.Event) -> None:
+        partial = ""
+        errors: dict[str, str] = {}
+        while not stop.is_set():
+            try:
+                msg = kc.get_iopub_msg(timeout=0.2)
+            except queue.Empty:
+                if not km.is_alive():
+                    code = km.provisioner.process.poll() if km.provisioner else None
+                    self.log.append({"event": EXITED, "data": {"returncode": code}})
+                    return
+                continue
+            except Exception:  # channels closed under us by kill()/shutdown()
+                return
+            kind, content = msg["msg_type"], msg["content"]
+            parent = msg.get("parent_header", {}).get("msg_id")
+            if kind == "stream":
+                partial += content["text"]
+                *lines, partial = partial.split("\n")
+                for line in lines:
+                    event = parse_line(line)
+                    if event is not None:
+                        self.log.append(event)
+                    elif line.strip():
+                        self.output.append(line)
+            elif kind == "error":
+                errors[parent] = f"{content['ename']}: {content['evalue']}"
+            elif kind == "status" and content["execution_state"] == "idle" and parent:
+                error = errors.pop(parent, None)
+                self.log.append({"event": "executed", "data": {"msg_id": parent, "error": error}})
+                if error:
+                    self.log.append({"event": KERNEL_ERROR, "data": {"msg_id": parent, "error": error}})
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,244 @@
+"""The teaching harness: a disposable lab directory, the scripted model, the web pages, children.
+
+    lab = Lab.setup("03_crash_after_tool_result")
+    child = lab.kernel()                  # the agent in a kernel this notebook can kill
+    child.chat(f"Fetch {lab.page('wal.html')} and summarize it in 12 detailed bullet points.")
+    child.wait_for("trace", event="result")
+    child.kill()                          # SIGKILL, no cleanup runs
+    lab.peek_runs()                       # still `running`: nobody has opened the file since
+
+Everything a lab writes lives in `.lab/<name>/` (git-ignored): the database, the memory file, a
+copy of the configuration, the logs of every process. `data/` holds only inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from . import inspect as views
+from ._proc import stop_server
+from .agent import Readiness, check_model
+from .children import LabKernel, LabWorker
+from .scripted_model import ScriptedModelControl, start_scripted_model
+from .settings import Settings
+from .webfixtures import WebFixturesControl, start_web_fixtures
+
+KIT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def lab_home() -> Path:
+    return Path(os.environ.get("SOPHOS_LAB_HOME") or KIT_ROOT / ".lab")
+
+
+def dead_port_url() -> str:
+    """An http URL on loopback where nothing listens (a stand-in for "Ollama is down")."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class Lab:
+    """One lab: its directory, its servers, the children it started, and read-only views."""
+
+    name: str
+    root: Path
+    ollama_host: str
+    ollama_model: str
+    model: ScriptedModelControl | None
+    web: WebFixturesControl
+    shutdown_timeout: float = 5.0
+    _servers: list[subprocess.Popen] = field(default_factory=list)
+    _children: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def setup(
+        cls,
+        name: str,
+        *,
+        ollama_host: str | None = None,
+        ollama_model: str | None = None,
+        shutdown_timeout: float = 5.0,
+        quiet: bool = False,
+    ) -> Lab:
+        """A fresh lab: wipe `.lab/<name>/`, copy the config, start the model (unless a real
+        Ollama is named by argument or `OLLAMA_HOST`) and the web fixture server."""
+        root = lab_home() / name
+        shutil.rmtree(root, ignore_errors=True)
+        (root / "logs").mkdir(parents=True)
+        shutil.copytree(KIT_ROOT / "config", root / "config")
+        servers: list[subprocess.Popen] = []
+        web_proc, web_url = start_web_fixtures(KIT_ROOT / "data" / "web", log_file=root / "logs" / "web-access.jsonl")
+        servers.append(web_proc)
+        host = ollama_host or os.environ.get("OLLAMA_HOST")
+        model_control = None
+        if host:
+            model_name = ollama_model or os.environ.get("OLLAMA_MODEL") or Settings().ollama_model
+        else:
+            model_proc, host = start_scripted_model(
+                KIT_ROOT / "data" / "scripts", log_file=root / "logs" / "model-requests.jsonl"
+            )
+            servers.append(model_proc)
+            model_control = ScriptedModelControl(host)
+            model_name = ollama_model or "scripted"
+        lab = cls(
+            name=name, root=root, ollama_host=host, ollama_model=model_name, model=model_control,
+            web=WebFixturesControl(web_url), shutdown_timeout=shutdown_timeout, _servers=servers,
+        )
+        if not quiet:
+            print(lab.describe())
+        return lab
+
+    # the world the agent sees
+
+    @property
+    def db_path(self) -> Path:
+        return self.root / "sophos.db"
+
+    @property
+    def config_dir(self) -> Path:
+        return self.root / "config"
+
+    def page(self, name: str) -> str:
+        """The loopback URL of a page in `data/web/`."""
+        return self.web.page_url(name)
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        """The settings of a child of this lab, as environment variables."""
+        env = {
+            "OLLAMA_HOST": self.ollama_host,
+            "OLLAMA_MODEL": self.ollama_model,
+            "DATABASE_PATH": str(self.db_path),
+            "CONFIG_DIR": str(self.config_dir),
+            "MEMORY_FILE_PATH": str(self.root / "memory.jsonl"),
+            "SHUTDOWN_TIMEOUT": str(self.shutdown_timeout),
+            "SOPHOS_LAB_LOG_DIR": str(self.root / "logs"),
+            "IPYTHONDIR": str(self.root / "ipython"),
+        }
+        env.update({key: str(value) for key, value in overrides.items()})
+        return env
+
+    def settings(self, **overrides: str) -> Settings:
+        return Settings.from_env(self.env(**overrides))
+
+    def readiness(self, **overrides: str) -> Readiness:
+        """The advisory readiness check (like the original's `readyz`) for these settings."""
+        return check_model(self.settings(**overrides))
+
+    def edit_mcp_config(self, change: Callable[[dict], None]) -> None:
+        """Change this lab's `mcp.json` (a copy; the kit's own config is never touched)."""
+        path = self.config_dir / "mcp.json"
+        config = json.loads(path.read_text())
+        change(config)
+        path.write_text(json.dumps(config, indent=2))
+
+    def restore_mcp_config(self) -> None:
+        shutil.copy(KIT_ROOT / "config" / "mcp.json", self.config_dir / "mcp.json")
+
+    # children
+
+    def kernel(self, **env: str) -> LabKernel:
+        """Start the agent in a child Jupyter kernel."""
+        child = LabKernel(self.env(**env), cwd=self.root, log_path=self._log("kernel"), spec_dir=self.root / "kernels")
+        self._children.append(child)
+        return child.start()
+
+    def worker(self, **env: str) -> LabWorker:
+        """Start the agent in a plain subprocess (same interface as `kernel()`)."""
+        child = LabWorker(self.env(**env), cwd=self.root, log_path=self._log("worker"))
+        self._children.append(child)
+        return child.start()
+
+    def service(self, **env: str):
+        """An `AgentService` in this process, with this lab's settings."""
+        from .service import AgentService
+
+        return AgentService(self.settings(**env), log_dir=self.root / "logs")
+
+    # read-only views (they never trigger crash recovery)
+
+    def peek_runs(self, conversation: str | None = None) -> pd.DataFrame:
+        """The runs table as it is on disk right now."""
+        return views.peek_runs(self.db_path, conversation)
+
+    def runs(self, conversation: str | None = None) -> pd.DataFrame:
+        return views.peek_runs(self.db_path, conversation)
+
+    def conversations(self) -> pd.DataFrame:
+        return views.conversations(self.db_path)
+
+    def checkpoints(self, conversation: str) -> pd.DataFrame:
+        return views.checkpoints(self.db_path, conversation)
+
+    def writes(self, conversation: str) -> pd.DataFrame:
+        return views.pending_writes(self.db_path, conversation)
+
+    def messages(self, conversation: str) -> pd.DataFrame:
+        return views.messages(self.db_path, conversation)
+
+    def state(self, conversation: str) -> dict[str, Any]:
+        """What the seed's `state()` shell helper shows."""
+        return views.state(self.db_path, conversation)
+
+    def timeline(self, conversation: str):
+        return views.timeline(self.db_path, conversation)
+
+    def fetches(self, page: str) -> int:
+        """How many times the fetch tool has read `page` (from the web server's access log)."""
+        return self.web.hits("/" + page.lstrip("/"))
+
+    def model_calls(self, script: str | None = None) -> int:
+        """How many `/api/chat` requests the scripted model has answered."""
+        assert self.model is not None, "model calls are counted by the scripted model only"
+        return len(self.model.chat_requests(script))
+
+    # lifecycle
+
+    def describe(self) -> str:
+        scripted = " (scripted: deterministic, not a language model)" if self.model else ""
+        rows = [
+            ("lab", self.name),
+            ("directory", str(self.root.relative_to(KIT_ROOT) if self.root.is_relative_to(KIT_ROOT) else self.root)),
+            ("model", f"{self.ollama_model}{scripted}"),
+            ("web pages", self.web.url),
+        ]
+        return "\n".join(f"{key:<10} {value}" for key, value in rows)
+
+    def close(self) -> None:
+        """Kill the children still alive and stop the servers."""
+        for child in self._children:
+            child.close()
+        for proc in self._servers:
+            stop_server(proc)
+        self._children.clear()
+        self._servers.clear()
+
+    def __enter__(self) -> Lab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _log(self, kind: str) -> Path:
+        return self.root / "logs" / f"{kind}-{len(self._children) + 1}.log"
+
+
+def reveal(prediction: Any, actual: Any) -> None:
+    """Compare a learner's prediction with what happened; never fails (None = no prediction)."""
+    if prediction is None:
+        print(f"observed: {actual!r}  (write your prediction first next time!)")
+    elif prediction == actual:
+        print(f"✅ you predicted {prediction!r}, and that is what happened")
+    else:
+        print(f"❌ you predicted {prediction!r}, but observed {actual!r}")
