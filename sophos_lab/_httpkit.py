@@ -1,0 +1,200 @@
+"""Pieces shared by the kit's loopback HTTP servers and their control clients.
+
+- ``Holds``: named one-shot hold points that make a request wait until a
+  test or notebook releases it (armed, waited for and released over HTTP).
+- ``RequestLog``: a thread-safe in-memory log, mirrored to a JSON-lines file.
+- ``JsonHandler``: a quiet HTTP/1.1 request handler with JSON helpers.
+- ``serve``: print the ready line and serve until interrupted.
+- ``call`` and ``long_poll``: the urllib side used by the control clients.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import urllib.error
+import urllib.request
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+MAX_WAIT = 300.0
+"""Upper bound, in seconds, for a long-poll on the server side."""
+
+
+def now_iso() -> str:
+    """The current UTC time as an ISO 8601 string ending in Z."""
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class Holds:
+    """Named hold points: arm a name, and the next request reaching it waits.
+
+    Each arming is used once. A held request waits until ``release`` or
+    ``close`` is called, or until its client disconnects.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._armed: set[str] = set()
+        # Each held request waits on its own socket pair, so one select()
+        # wakes it on either a release or its client hanging up.
+        self._held: list[tuple[str, socket.socket]] = []
+        self._closed = False
+
+    def arm(self, name: str) -> None:
+        """Make the next request that reaches ``name`` wait."""
+        with self._changed:
+            self._armed.add(name)
+
+    def hold_if_armed(self, name: str, client: socket.socket) -> bool:
+        """Wait here if ``name`` is armed; False if the client went away meanwhile."""
+        with self._changed:
+            if self._closed or name not in self._armed:
+                return True
+            self._armed.discard(name)
+            wake, waker = socket.socketpair()
+            self._held.append((name, waker))
+            self._changed.notify_all()
+        try:
+            readable, _, _ = select.select([client, wake], [], [])
+        finally:
+            with self._changed:
+                if (name, waker) in self._held:
+                    self._held.remove((name, waker))
+            wake.close()
+            waker.close()
+        # The client sends nothing while it waits for our answer, so a
+        # readable client socket means it has closed the connection.
+        return wake in readable
+
+    def wait_held(self, timeout: float) -> str | None:
+        """The name some request is held at, waiting up to ``timeout`` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._held, min(timeout, MAX_WAIT))
+            return self._held[0][0] if self._held else None
+
+    def release(self) -> int:
+        """Let every held request continue; return how many there were."""
+        with self._changed:
+            for _, waker in self._held:
+                waker.send(b"!")
+            released = len(self._held)
+            self._held.clear()
+            return released
+
+    def close(self) -> None:
+        """Release everything and stop holding from now on."""
+        with self._changed:
+            self._closed = True
+        self.release()
+
+
+class RequestLog:
+    """A list of dicts kept in memory and appended to a JSON-lines file."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self._lock = threading.Lock()
+        self._entries: list[dict] = []
+        self.path = path
+
+    def add(self, entry: dict) -> None:
+        """Record one entry."""
+        with self._lock:
+            self._entries.append(entry)
+            if self.path is not None:
+                with self.path.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(entry) + "\n")
+
+    def entries(self) -> list[dict]:
+        """A copy of every entry so far, oldest first."""
+        with self._lock:
+            return list(self._entries)
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A request handler that speaks HTTP/1.1 and keeps stderr quiet."""
+
+    protocol_version = "HTTP/1.1"
+    # Headers, body and each streamed token go out as separate small writes;
+    # with Nagle's algorithm on, each would wait for the client's delayed ACK.
+    disable_nagle_algorithm = True
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the servers keep their own structured logs
+
+    def read_json(self) -> dict:
+        """The request body as a JSON object ({} if empty or not an object)."""
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            return {}
+        return body if isinstance(body, dict) else {}
+
+    def send_json(self, status: int, body: Any) -> None:
+        """Send ``body`` as a complete JSON response."""
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def start_chunked(self, status: int, content_type: str) -> None:
+        """Send headers for a streamed body; follow with ``send_chunk`` calls."""
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+    def send_chunk(self, data: bytes) -> None:
+        """Send one chunk of a streamed body and flush it; b"" ends the body."""
+        self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def answer_wait(self, holds: Holds, query: dict[str, list[str]], key: str) -> None:
+        """Answer a long-poll: ``{key: name}`` once a request is held, else 408."""
+        try:
+            timeout = float(query.get("timeout", ["10"])[0])
+        except ValueError:
+            timeout = 10.0
+        name = holds.wait_held(timeout)
+        self.send_json(200 if name else 408, {key: name})
+
+
+def serve(server: ThreadingHTTPServer, **ready: Any) -> None:
+    """Print the ready line (with the server's URL and ``ready``) and serve forever."""
+    host, port = server.server_address[:2]
+    line = {"ready": True, "url": f"http://{host}:{port}", **ready}
+    print(json.dumps(line), flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+def call(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, Any]:
+    """GET ``url`` (or POST ``body`` as JSON); return the status and decoded JSON."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, json.load(err)
+
+
+def long_poll(url: str, key: str, timeout: float) -> str | None:
+    """Ask a wait endpoint for up to ``timeout`` seconds; the held name or None."""
+    _, body = call(f"{url}?timeout={timeout}", timeout=timeout + 10)
+    return body[key]

@@ -1,0 +1,525 @@
+"""A scripted, Ollama-compatible chat server for reproducible agent runs.
+
+It answers ``POST /api/chat`` the way Ollama does (NDJSON streaming or a
+single JSON object), but every reply comes from a script: a JSON file that
+says, turn by turn, what text, reasoning, tool calls or errors to send.
+The real ``langchain_ollama.ChatOllama`` client talks to it unchanged.
+
+Run it with::
+
+    python -m sophos_lab.scripted_model --scripts DIR [--port 0] [--log FILE]
+
+Choosing a reply is stateless, so a request repeated after a crash gets the
+same turn: the script is the first (by file name) whose ``match`` regex is
+found in the last user message, and the turn index is the number of
+assistant messages after that user message.
+
+A control API under ``/_scripted/`` lets a notebook or test read the request
+log and freeze a stream half-way at a named pause point (see
+``ScriptedModelControl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, replace
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from sophos_lab._httpkit import Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
+from sophos_lab._proc import spawn_module, stop_server
+
+__all__ = [
+    "Choice",
+    "Script",
+    "ScriptedModelControl",
+    "Turn",
+    "choose_turn",
+    "load_scripts",
+    "start_scripted_model",
+    "stop_server",
+    "tokenize",
+]
+
+VERSION = "0.0.0-scripted"
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One scripted reply."""
+
+    text: str = ""
+    thinking: str = ""
+    tool_calls: tuple[dict, ...] = ()
+    token_delay: float = 0.0
+    pause: str | None = None
+    error: dict | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Turn:
+        """Build a turn from its JSON form, rejecting unknown keys."""
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown turn keys: {sorted(unknown)}")
+        calls = tuple(
+            {"name": c["name"], "arguments": c.get("arguments", {})}
+            for c in data.get("tool_calls", ())
+        )
+        return cls(**{**data, "tool_calls": calls})
+
+    def fill(self, values: dict[str, str]) -> Turn:
+        """This turn with ``{name}`` placeholders replaced from ``values``."""
+        return replace(
+            self,
+            text=_fill(self.text, values),
+            thinking=_fill(self.thinking, values),
+            tool_calls=_fill(self.tool_calls, values),
+            error=_fill(self.error, values),
+        )
+
+
+@dataclass(frozen=True)
+class Script:
+    """A named conversation: a regex that selects it and its turns."""
+
+    name: str
+    turns: tuple[Turn, ...]
+    match: re.Pattern[str] | None = None
+    description: str = ""
+    repeat_last: bool = False
+
+    @classmethod
+    def from_dict(cls, data: dict, default_name: str) -> Script:
+        """Build a script from its JSON form."""
+        if not isinstance(data.get("match"), str):
+            raise ValueError('a script needs a "match" regex string')
+        if not data.get("turns"):
+            raise ValueError('a script needs a non-empty "turns" list')
+        return cls(
+            name=data.get("name", default_name),
+            description=data.get("description", ""),
+            match=re.compile(data["match"]),
+            turns=tuple(Turn.from_dict(t) for t in data["turns"]),
+            repeat_last=bool(data.get("repeat_last", False)),
+        )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The reply picked for one request: which script, which turn, and the turn."""
+
+    script: str
+    index: int
+    turn: Turn
+
+
+PLAIN = Script(
+    name="plain",
+    description="Fallback when no script matches: a short plain answer.",
+    turns=(
+        Turn(
+            text="This is the scripted model. I have no script for that message, "
+            "so here is a plain answer."
+        ),
+    ),
+)
+NO_MORE_TURNS = Turn(text="(scripted: no more turns)")
+
+
+def load_scripts(directory: str | Path) -> list[Script]:
+    """Every ``*.json`` script in ``directory``, sorted by file name."""
+    scripts = []
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            scripts.append(Script.from_dict(data, default_name=path.stem))
+        except (ValueError, KeyError, TypeError, re.error) as err:
+            raise ValueError(f"bad script {path.name}: {err}") from err
+    return scripts
+
+
+def choose_turn(scripts: list[Script], messages: list[dict]) -> Choice:
+    """Pick the script and turn that answer ``messages`` (an Ollama history)."""
+    last_user = max(
+        (i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1
+    )
+    prompt = _text(messages[last_user].get("content")) if last_user >= 0 else ""
+    index = sum(1 for m in messages[last_user + 1 :] if m.get("role") == "assistant")
+    for script in scripts:
+        found = script.match.search(prompt) if script.match else None
+        if found:
+            values = found.groupdict(default="")
+            break
+    else:
+        script, values = PLAIN, {}
+    if index < len(script.turns):
+        turn = script.turns[index]
+    elif script.repeat_last:
+        turn = script.turns[-1]
+    else:
+        turn = NO_MORE_TURNS
+    return Choice(script.name, index, turn.fill(values))
+
+
+def tokenize(text: str) -> list[str]:
+    """Split text into word-sized stream chunks that join back to ``text``."""
+    return re.findall(r"\S+\s*|\s+", text)
+
+
+def _text(content: Any) -> str:
+    """Message content as plain text (multi-part content keeps its text parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def _fill(value: Any, values: dict[str, str]) -> Any:
+    """Replace ``{name}`` in every string inside ``value``; other braces stay."""
+    if isinstance(value, str):
+        return _PLACEHOLDER.sub(lambda m: values.get(m[1], m[0]), value)
+    if isinstance(value, dict):
+        return {k: _fill(v, values) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fill(v, values) for v in value)
+    return value
+
+
+# --- the server -------------------------------------------------------------
+
+
+class ScriptedModelServer(ThreadingHTTPServer):
+    """The HTTP server, holding the scripts, request log and pause points."""
+
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        scripts: list[Script],
+        model: str = "scripted",
+        log: RequestLog | None = None,
+    ) -> None:
+        super().__init__(address, _Handler)
+        self.scripts = scripts
+        self.model = model
+        self.tag = model if ":" in model else f"{model}:latest"
+        self.log = log or RequestLog()
+        self.pauses = Holds()
+
+    def server_close(self) -> None:
+        self.pauses.close()
+        super().server_close()
+
+
+class _Handler(JsonHandler):
+    server: ScriptedModelServer
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        if url.path == "/api/tags":
+            self._api({"models": [self._model_card()]})
+        elif url.path == "/api/version":
+            self._api({"version": VERSION})
+        elif url.path == "/_scripted/requests":
+            self.send_json(200, {"requests": self.server.log.entries()})
+        elif url.path == "/_scripted/scripts":
+            self.send_json(200, {"scripts": [
+                {"name": s.name, "description": s.description}
+                for s in self.server.scripts
+            ]})
+        elif url.path == "/_scripted/wait_paused":
+            self.answer_wait(self.server.pauses, query, "paused")
+        else:
+            self._not_found(url.path)
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path
+        body = self.read_json()
+        if path == "/api/chat":
+            self._chat(body)
+        elif path == "/api/show":
+            if self._known(body.get("model")):
+                self._api(self._show(), model=body.get("model"))
+            else:
+                self._unknown_model(body.get("model"))
+        elif path == "/_scripted/arm":
+            if isinstance(body.get("pause"), str):
+                self.server.pauses.arm(body["pause"])
+                self.send_json(200, {"armed": body["pause"]})
+            else:
+                self.send_json(400, {"error": 'expected a body like {"pause": "summary"}'})
+        elif path == "/_scripted/release":
+            self.send_json(200, {"released": self.server.pauses.release()})
+        else:
+            self._not_found(path)
+
+    # --- Ollama API -----------------------------------------------------
+
+    def _chat(self, body: dict) -> None:
+        messages = body.get("messages") or []
+        entry = {
+            "n_messages": len(messages),
+            "last_role": messages[-1].get("role") if messages else None,
+            "tools": [t.get("function", {}).get("name") for t in body.get("tools") or []],
+        }
+        model = body.get("model")
+        if not self._known(model):
+            self._unknown_model(model, **entry)
+            return
+        choice = choose_turn(self.server.scripts, messages)
+        entry.update(script=choice.script, turn=choice.index)
+        turn = choice.turn
+        if turn.error:
+            status = int(turn.error.get("status", 500))
+            self._api({"error": turn.error.get("message", "")}, status, model=model, **entry)
+            return
+        self._record(200, model=model, **entry)
+        reply = _Reply(model, turn, prompt_tokens=_count_tokens(messages),
+                       think=body.get("think") is not False)
+        try:
+            if body.get("stream", True):
+                self._stream(reply)
+            elif self._hold(turn.pause):
+                self.send_json(200, reply.whole())
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+    def _stream(self, reply: _Reply) -> None:
+        self.start_chunked(200, "application/x-ndjson")
+        for line in reply.lines():
+            if line is not None:
+                self.send_chunk(json.dumps(line).encode() + b"\n")
+            elif not self._hold(reply.turn.pause):
+                self.close_connection = True
+                return
+        self.send_chunk(b"")
+
+    def _hold(self, pause: str | None) -> bool:
+        """Wait if ``pause`` is armed; False if the client hung up meanwhile."""
+        if pause is None:
+            return True
+        return self.server.pauses.hold_if_armed(pause, self.connection)
+
+    def _known(self, model: Any) -> bool:
+        return model in (self.server.model, self.server.tag)
+
+    def _unknown_model(self, model: Any, **entry: Any) -> None:
+        self._api({"error": f"model '{model}' not found"}, 404, model=model, **entry)
+
+    def _not_found(self, path: str) -> None:
+        body = {"error": f"the scripted model does not serve {path}"}
+        if path.startswith("/api/"):
+            self._api(body, 404)
+        else:
+            self.send_json(404, body)
+
+    def _api(self, body: dict, status: int = 200, **entry: Any) -> None:
+        self._record(status, **entry)
+        self.send_json(status, body)
+
+    def _record(self, status: int, **values: Any) -> None:
+        values["status"] = status
+        self.server.log.add({
+            "time": now_iso(),
+            "path": urlsplit(self.path).path,
+            **{key: values.get(key) for key in _LOG_FIELDS},
+        })
+
+    def _model_card(self) -> dict:
+        return {
+            "name": self.server.tag,
+            "model": self.server.tag,
+            "modified_at": "2024-01-01T00:00:00Z",
+            "size": 0,
+            "digest": "0" * 64,
+            "details": _DETAILS,
+        }
+
+    def _show(self) -> dict:
+        return {
+            "modelfile": f"# {self.server.tag} is scripted: replies come from JSON "
+            "scripts, not from a language model.",
+            "parameters": "",
+            "template": "",
+            "license": "",
+            "details": _DETAILS,
+            "model_info": {
+                "general.architecture": "scripted",
+                "general.description": "Scripted replies for reproducible lab runs.",
+            },
+            "capabilities": ["completion", "tools", "thinking"],
+        }
+
+
+_LOG_FIELDS = ("model", "script", "turn", "n_messages", "last_role", "status", "tools")
+_DETAILS = {
+    "parent_model": "",
+    "format": "scripted",
+    "family": "scripted",
+    "families": ["scripted"],
+    "parameter_size": "0 (scripted)",
+    "quantization_level": "none",
+}
+
+
+@dataclass
+class _Reply:
+    """Renders one turn as Ollama chat responses."""
+
+    model: str
+    turn: Turn
+    prompt_tokens: int
+    think: bool = True
+    started: float = field(default_factory=time.monotonic)
+
+    def lines(self) -> Iterator[dict | None]:
+        """The streamed responses, with ``None`` marking the pause point.
+
+        The pause point comes after half of the text tokens (at least one),
+        or before the tool calls when there is no text.
+        """
+        tokens = tokenize(self.turn.text)
+        if self.think:
+            for token in tokenize(self.turn.thinking):
+                yield self._line(content="", thinking=token)
+        for n, token in enumerate(tokens, 1):
+            if n > 1 and self.turn.token_delay:
+                time.sleep(self.turn.token_delay)  # simulated generation speed
+            yield self._line(content=token)
+            if n == max(1, len(tokens) // 2):
+                yield None
+        if not tokens:
+            yield None
+        if self.turn.tool_calls:
+            yield self._line(content="", tool_calls=self._tool_calls())
+        yield self._done(len(tokens))
+
+    def whole(self) -> dict:
+        """The complete reply as one response (``"stream": false``)."""
+        message = {"content": self.turn.text}
+        if self.think and self.turn.thinking:
+            message["thinking"] = self.turn.thinking
+        if self.turn.tool_calls:
+            message["tool_calls"] = self._tool_calls()
+        return {**self._done(len(tokenize(self.turn.text))),
+                "message": {"role": "assistant", **message}}
+
+    def _tool_calls(self) -> list[dict]:
+        return [{"function": dict(call)} for call in self.turn.tool_calls]
+
+    def _line(self, **message: Any) -> dict:
+        return {
+            "model": self.model,
+            "created_at": now_iso(),
+            "message": {"role": "assistant", **message},
+            "done": False,
+        }
+
+    def _done(self, eval_count: int) -> dict:
+        total = int((time.monotonic() - self.started) * 1e9)
+        return {
+            **self._line(content=""),
+            "done": True,
+            "done_reason": "stop",
+            "total_duration": total,
+            "load_duration": 0,
+            "prompt_eval_count": self.prompt_tokens,
+            "prompt_eval_duration": 0,
+            "eval_count": eval_count,
+            "eval_duration": total,
+        }
+
+
+def _count_tokens(messages: list[dict]) -> int:
+    return sum(len(_text(m.get("content")).split()) for m in messages)
+
+
+# --- parent side ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScriptedModelControl:
+    """A client for a running scripted model's control API."""
+
+    url: str
+
+    def requests(self) -> list[dict]:
+        """Every ``/api/*`` request the server has answered, oldest first."""
+        return call(f"{self.url}/_scripted/requests")[1]["requests"]
+
+    def chat_requests(self, script: str | None = None) -> list[dict]:
+        """The ``/api/chat`` requests, optionally only those answered by ``script``."""
+        return [
+            r for r in self.requests()
+            if r["path"] == "/api/chat" and script in (None, r["script"])
+        ]
+
+    def scripts(self) -> list[dict]:
+        """The loaded scripts' names and descriptions."""
+        return call(f"{self.url}/_scripted/scripts")[1]["scripts"]
+
+    def arm(self, pause: str) -> None:
+        """Make the next stream reaching pause point ``pause`` stop half-way."""
+        call(f"{self.url}/_scripted/arm", {"pause": pause})
+
+    def wait_paused(self, timeout: float = 10.0) -> str:
+        """Block until a stream is held at a pause point; return that point's name."""
+        paused = long_poll(f"{self.url}/_scripted/wait_paused", "paused", timeout)
+        if paused is None:
+            raise TimeoutError(
+                f"no stream reached an armed pause point within {timeout} s "
+                "(was the pause armed, and does the script's turn name it?)"
+            )
+        return paused
+
+    def release(self) -> int:
+        """Let every held stream finish; return how many were held."""
+        return call(f"{self.url}/_scripted/release", {})[1]["released"]
+
+
+def start_scripted_model(
+    scripts_dir: str | Path,
+    log_file: str | Path | None = None,
+    model: str = "scripted",
+    port: int = 0,
+) -> tuple[subprocess.Popen, str]:
+    """Start the server in a child process; return it and its base URL."""
+    args = ["--scripts", str(scripts_dir), "--model", model, "--port", str(port)]
+    if log_file is not None:
+        args += ["--log", str(log_file)]
+    proc, ready = spawn_module("sophos_lab.scripted_model", args)
+    return proc, ready["url"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sophos_lab.scripted_model", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--scripts", required=True, type=Path, help="directory of *.json scripts")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--model", default="scripted", help="model name to answer to")
+    parser.add_argument("--log", type=Path, help="append a JSON line per request here")
+    args = parser.parse_args(argv)
+    if not args.scripts.is_dir():
+        parser.error(f"--scripts {args.scripts} is not a directory")
+    server = ScriptedModelServer(
+        (args.host, args.port), load_scripts(args.scripts), args.model, RequestLog(args.log)
+    )
+    serve(server, model=args.model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""The scripted model, driven by the real ChatOllama and ollama clients."""
+
+import json
+import threading
+import urllib.request
+from pathlib import Path
+
+import ollama
+import pytest
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_ollama import ChatOllama
+
+from sophos_lab.scripted_model import (
+    Script,
+    ScriptedModelControl,
+    choose_turn,
+    load_scripts,
+    start_scripted_model,
+    stop_server,
+    tokenize,
+)
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "data" / "scripts"
+PAGE = "http://127.0.0.1:8000/wal.html"
+SUMMARISE = f"Fetch {PAGE} and summarize it for me."
+
+
+@tool
+def fetch__fetch(url: str) -> str:
+    """Fetch a URL and return its text."""
+    return "unused: the scripted model only needs the schema"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log_file = tmp_path_factory.mktemp("scripted") / "requests.jsonl"
+    proc, url = start_scripted_model(SCRIPTS, log_file=log_file)
+    yield url, log_file
+    stop_server(proc)
+
+
+@pytest.fixture
+def control(server):
+    return ScriptedModelControl(server[0])
+
+
+@pytest.fixture
+def llm(server):
+    return ChatOllama(model="scripted", base_url=server[0])
+
+
+def summary_history(llm):
+    """The conversation up to the summary turn: request, tool call, tool result."""
+    request = HumanMessage(SUMMARISE)
+    call = llm.bind_tools([fetch__fetch]).invoke([request])
+    result = ToolMessage("An article on write-ahead logging.", tool_call_id=call.tool_calls[0]["id"])
+    return [request, call, result]
+
+
+def bullets(text):
+    return [line for line in text.splitlines() if line.startswith("- ")]
+
+
+# --- against the running server ---------------------------------------------
+
+
+def test_tags_and_version_label_the_model_as_scripted(server):
+    url, _ = server
+    assert [m.model for m in ollama.Client(host=url).list().models] == ["scripted:latest"]
+    with urllib.request.urlopen(f"{url}/api/version") as response:
+        assert json.load(response) == {"version": "0.0.0-scripted"}
+    assert "scripted" in ollama.Client(host=url).show("scripted:latest").modelfile
+
+
+def test_plain_answer(llm):
+    assert llm.invoke("hello").content == "Hello! I am the scripted model of sophos_lab."
+
+
+def test_thinking_is_returned_as_reasoning(server):
+    reply = ChatOllama(model="scripted", base_url=server[0], reasoning=True).invoke("Hi there")
+    assert reply.additional_kwargs["reasoning_content"] == "The user greets me."
+
+
+def test_unmatched_message_gets_the_plain_fallback(llm, control):
+    reply = llm.invoke("What is the capital of France?")
+    assert reply.content.startswith("This is the scripted model. I have no script")
+    assert control.chat_requests(script="plain")[-1]["status"] == 200
+
+
+def test_fetch_script_calls_the_tool_with_the_templated_url(llm, control):
+    reply = llm.bind_tools([fetch__fetch]).invoke(SUMMARISE)
+    assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("fetch__fetch", {"url": PAGE})]
+    last = control.chat_requests()[-1]
+    assert (last["script"], last["turn"], last["tools"]) == ("fetch-and-summarise", 0, ["fetch__fetch"])
+
+
+def test_second_turn_answers_with_twelve_bullets(llm):
+    reply = llm.invoke(summary_history(llm))
+    assert len(bullets(reply.content)) == 12
+    assert not reply.tool_calls
+
+
+def test_stream_yields_several_chunks(llm):
+    chunks = list(llm.stream("hello"))
+    assert len(chunks) > 5
+    assert "".join(c.content for c in chunks) == "Hello! I am the scripted model of sophos_lab."
+
+
+def test_stream_false_returns_one_object(server):
+    reply = ollama.Client(host=server[0]).chat(
+        "scripted", [{"role": "user", "content": "hello"}], stream=False
+    )
+    assert reply.done and reply.message.content.startswith("Hello!")
+    assert reply.message.thinking == "The user greets me."
+
+
+def test_unknown_model_is_a_404_response_error(server):
+    with pytest.raises(ollama.ResponseError) as caught:
+        ChatOllama(model="nope", base_url=server[0]).invoke("hello")
+    assert caught.value.status_code == 404
+    assert "model 'nope' not found" in str(caught.value)
+
+
+def test_error_script_fails_with_status_500(llm):
+    with pytest.raises(ollama.ResponseError) as caught:
+        llm.invoke("Please trigger a model error.")
+    assert caught.value.status_code == 500
+    assert caught.value.error == "scripted failure"
+
+
+def test_armed_pause_holds_the_stream_until_release(server, llm, control):
+    history = summary_history(llm)
+    seen = len(control.chat_requests(script="fetch-and-summarise"))
+    control.arm("summary")
+    finished = threading.Event()
+    replies = []
+
+    def ask():
+        try:
+            replies.append(llm.invoke(history))
+        finally:
+            finished.set()
+
+    threading.Thread(target=ask, daemon=True).start()
+    try:
+        assert control.wait_paused(timeout=10) == "summary"
+        assert not finished.is_set()
+        assert control.release() == 1
+    finally:
+        control.release()
+    assert finished.wait(timeout=10)
+    assert len(bullets(replies[0].content)) == 12
+
+    requests = control.chat_requests(script="fetch-and-summarise")[seen:]
+    assert [(r["turn"], r["status"], r["last_role"]) for r in requests] == [(1, 200, "tool")]
+    logged = server[1].read_text().splitlines()
+    assert json.loads(logged[-1]) == requests[-1]
+
+    # The pause point was used up: the same turn now comes back straight away
+    # (stream=False skips the token delay; a hold would hit the client timeout).
+    raw = [
+        {"role": "user", "content": SUMMARISE},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "fetch__fetch", "arguments": {"url": PAGE}}}]},
+        {"role": "tool", "content": "An article on write-ahead logging."},
+    ]
+    again = ollama.Client(host=server[0], timeout=5).chat("scripted", raw, stream=False)
+    assert len(bullets(again.message.content)) == 12
+
+
+def test_wait_paused_times_out_when_nothing_is_held(control):
+    with pytest.raises(TimeoutError, match="no stream reached an armed pause point"):
+        control.wait_paused(timeout=0.1)
+
+
+def test_scripts_endpoint_lists_every_script(control):
+    scripts = control.scripts()
+    assert [s["name"] for s in scripts] == [s.name for s in load_scripts(SCRIPTS)]
+    assert all(s["description"] for s in scripts)
+
+
+# --- reply selection, in process ---------------------------------------------
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+ASSISTANT = {"role": "assistant", "content": ""}
+TOOL = {"role": "tool", "content": "ok"}
+
+
+def test_turn_index_counts_assistant_messages_after_the_last_user_message():
+    scripts = load_scripts(SCRIPTS)
+    ask = user('Please add the observation "likes tea" to the entity named "Ada".')
+    history = [user("hello"), ASSISTANT, ask]
+    first = choose_turn(scripts, history)
+    assert (first.script, first.index) == ("missing-entity", 0)
+    assert first.turn.tool_calls[0]["arguments"] == {
+        "observations": [{"entityName": "Ada", "contents": ["likes tea"]}]
+    }
+    last = choose_turn(scripts, [*history, ASSISTANT, TOOL, ASSISTANT, TOOL])
+    assert last.index == 2
+    assert last.turn.text == 'The entity Ada did not exist, so I created it with the observation "likes tea".'
+
+
+def test_fetch_page_wins_only_without_a_summary_request():
+    scripts = load_scripts(SCRIPTS)
+    assert choose_turn(scripts, [user(SUMMARISE)]).script == "fetch-and-summarise"
+    plain_fetch = choose_turn(scripts, [user(f"Fetch {PAGE}, please."), ASSISTANT, TOOL])
+    assert plain_fetch.script == "fetch-page"
+    assert plain_fetch.turn.text.startswith(f"The page at {PAGE} ")
+
+
+def test_turns_run_out_unless_the_last_one_repeats():
+    scripts = load_scripts(SCRIPTS)
+    done = choose_turn(scripts, [user(f"Fetch {PAGE}"), *[ASSISTANT, TOOL] * 3])
+    assert done.turn.text == "(scripted: no more turns)"
+    looping = choose_turn(scripts, [user("loop forever"), *[ASSISTANT, TOOL] * 30])
+    assert looping.turn.tool_calls == ({"name": "memory__read_graph", "arguments": {}},)
+
+
+def test_placeholders_leave_other_braces_alone():
+    script = Script.from_dict(
+        {"match": r"go (?P<where>\w+)", "turns": [{"text": 'to {where}: {"a": {b}} {}'}]},
+        default_name="braces",
+    )
+    assert choose_turn([script], [user("go home")]).turn.text == 'to home: {"a": {b}} {}'
+
+
+def test_tokens_join_back_to_the_text():
+    text = "  Two  spaces,\nnew lines\n\n- and bullets "
+    assert "".join(tokenize(text)) == text
