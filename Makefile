@@ -30,9 +30,7 @@ node_modules/.installed: package.json
 	touch $@
 
 lab: setup
-	$(BIN)/sophos-lab doctor || true
-	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(PORT) --no-browser --allow-root \
-		--ServerApp.root_dir=notebooks
+	$(BIN)/sophos-lab lab --port $(PORT)
 
 test: setup
 	$(BIN)/pytest tests

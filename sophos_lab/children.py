@@ -76,6 +76,13 @@ class EventLog:
         with self._changed:
             return list(self.events[self.mark:])
 
+    def events_since(self, since: int, timeout: float = 0.0) -> list[dict[str, Any]]:
+        """The events from index `since` on; when there are none yet, waits up to `timeout` s
+        for one (an empty list if none came)."""
+        with self._changed:
+            self._changed.wait_for(lambda: len(self.events) > since, timeout)
+            return self.events[since:]
+
 
 def _matches(event: dict[str, Any], names: tuple[str, ...], fields: Mapping[str, Any]) -> bool:
     if event["event"] not in names:

@@ -15,7 +15,7 @@ from typing import Any
 
 from langchain_core.messages import AIMessage, AIMessageChunk, ToolMessage
 
-from .messages import content_text
+from .messages import content_text, message_dtos
 
 TERMINAL_EVENTS = ("end", "chat-error")
 
@@ -41,6 +41,8 @@ class StreamTranslator:
     """Turns `astream(stream_mode=["messages", "debug"])` items into `(event, data)` pairs."""
 
     model_name: str
+    message_count: int | None = None
+    """Messages in the latest checkpoint seen on the stream (None before the first)."""
     _open: dict[str, Any] | None = field(default=None)
 
     def feed(self, mode: str, chunk: Any) -> list[tuple[str, Any]]:
@@ -50,6 +52,9 @@ class StreamTranslator:
             return self._enter(chunk["step"], chunk["payload"])
         if mode == "debug" and chunk["type"] == "task_result":
             return self._leave(chunk["step"], chunk["payload"])
+        if mode == "debug" and chunk["type"] == "checkpoint":
+            values = chunk["payload"].get("values") or {}
+            self.message_count = len(message_dtos(values.get("messages", [])))
         return []
 
     def finish(self) -> list[tuple[str, Any]]:

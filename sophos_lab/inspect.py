@@ -132,6 +132,15 @@ def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
     return pd.DataFrame(records, columns=WRITE_COLUMNS)
 
 
+def thread_view(db_path: str | Path, conversation: str) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
+    """The thread's latest checkpoint as the chat widget shows it: its messages (dicts, with
+    tool-call arguments) and `next` (empty when nothing was checkpointed)."""
+    history = _history(db_path, conversation)
+    if not history:
+        return [], ()
+    return message_dtos(history[-1].values.get("messages", [])), tuple(history[-1].next)
+
+
 def messages(db_path: str | Path, conversation: str) -> pd.DataFrame:
     """The messages of the latest checkpoint."""
     history = _history(db_path, conversation)

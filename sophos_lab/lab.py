@@ -18,6 +18,7 @@ import os
 import shutil
 import socket
 import subprocess
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,15 @@ def dead_port_url() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}"
+
+
+def is_scripted_model(host: str) -> bool:
+    """Whether `host` is a scripted model server (each lab then starts its own, for its controls)."""
+    try:
+        with urllib.request.urlopen(host.rstrip("/") + "/api/version", timeout=2) as response:
+            return "scripted" in json.load(response).get("version", "")
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass
@@ -83,7 +93,7 @@ class Lab:
         servers.append(web_proc)
         host = ollama_host or os.environ.get("OLLAMA_HOST")
         model_control = None
-        if host:
+        if host and not is_scripted_model(host):
             model_name = ollama_model or os.environ.get("OLLAMA_MODEL") or Settings().ollama_model
         else:
             model_proc, host = start_scripted_model(

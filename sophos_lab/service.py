@@ -112,6 +112,10 @@ class AgentService:
         self._graph = None
         self._saver_conn = None
 
+    async def open(self) -> None:
+        """Open the database (running recovery) and build the graph now, not on first use."""
+        await self._graph_ready()
+
     # reading
 
     def list_conversations(self) -> list[Conversation]:
@@ -236,8 +240,9 @@ class AgentService:
             await conn.execute("PRAGMA busy_timeout = 5000")
             saver = AsyncSqliteSaver(conn)
             await saver.setup()
+            model = chat_model(self.settings)  # once: building a client costs ~40 ms (TLS context)
             parts = AgentParts(
-                model=lambda: chat_model(self.settings),
+                model=lambda: model,
                 tools=self.tools.get,
                 system_prompt=lambda: read_system_prompt(self.settings),
             )
@@ -276,11 +281,13 @@ class AgentService:
             status, error = "failed", classify_error(exc)
         for name, data in translator.finish():
             run.publish(name, data)
+        # A completed run's last checkpoint is on the stream; after a failure, ask the saver what
+        # was actually written.
+        count = translator.message_count if status == "completed" else None
         try:
-            self.store.finish_run(
-                run.id, status, await self._message_count(graph, run.conversation),
-                *(error or (None, None)),
-            )
+            if count is None:
+                count = await self._message_count(graph, run.conversation)
+            self.store.finish_run(run.id, status, count, *(error or (None, None)))
         except Exception:
             # The row stays `running`; the next process relabels it `interrupted`.
             log.exception("could not record the outcome of run %s", run.id)

@@ -1,0 +1,135 @@
+"""Per-step cost of the kit's run service against bare LangGraph.
+
+A 10-turn conversation with the scripted model (zero token delay, no MCP servers, so the model
+and the kit are all that is measured), run side by side:
+
+  (a) the kit's `AgentService` (run rows, events, outcome transaction, system prompt per call)
+  (b) bare LangGraph: the same two-node graph shape with `AsyncSqliteSaver`, durability "sync"
+  (c) bare LangGraph with the in-memory saver
+
+Each variant runs the conversation ROUNDS times on a fresh database; the median time per graph
+step is printed, with the ratios (a)/(b) and (b)/(c). Target: (a)/(b) <= 1.10.
+
+    python benchmarks/steps.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+from langchain_core.messages import HumanMessage, SystemMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langchain_ollama import ChatOllama
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sophos_lab._proc import stop_server  # noqa: E402
+from sophos_lab.scripted_model import start_scripted_model  # noqa: E402
+from sophos_lab.service import AgentService  # noqa: E402
+from sophos_lab.settings import Settings  # noqa: E402
+
+TURNS = 10
+ROUNDS = 5
+MESSAGE = "Hello, benchmark turn {}"
+PROMPT = "You are a benchmark."
+
+
+def bare_graph(url: str, checkpointer):
+    model = ChatOllama(model="scripted", base_url=url)
+
+    async def agent(state: MessagesState) -> dict:
+        return {"messages": [await model.ainvoke([SystemMessage(PROMPT), *state["messages"]])]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_node("tools", agent)  # same shape as the kit's graph; never reached here
+    builder.add_edge(START, "agent")
+    builder.add_conditional_edges("agent", lambda state: "tools" if state["messages"][-1].tool_calls else END, ["tools", END])
+    builder.add_edge("tools", "agent")
+    return builder.compile(checkpointer=checkpointer)
+
+
+async def run_bare(url: str, folder: Path, in_memory: bool) -> float:
+    """Seconds for TURNS turns of bare LangGraph."""
+    config = {"configurable": {"thread_id": "bench"}, "recursion_limit": 25}
+    if in_memory:
+        graph = bare_graph(url, InMemorySaver())
+        return await _turns(graph, config)
+    async with AsyncSqliteSaver.from_conn_string(str(folder / "bare.db")) as saver:
+        return await _turns(bare_graph(url, saver), config)
+
+
+async def _turns(graph, config) -> float:
+    start = time.perf_counter()
+    for turn in range(TURNS):
+        async for _ in graph.astream(
+            {"messages": [HumanMessage(MESSAGE.format(turn))]}, config, stream_mode="messages", durability="sync"
+        ):
+            pass
+    return time.perf_counter() - start
+
+
+async def run_kit(url: str, folder: Path) -> float:
+    """Seconds for TURNS turns through the kit's service, every event consumed."""
+    config = folder / "config"
+    config.mkdir(exist_ok=True)
+    (config / "mcp.json").write_text("{}")
+    (config / "system.md").write_text(PROMPT)
+    settings = Settings.from_env({
+        "OLLAMA_HOST": url, "OLLAMA_MODEL": "scripted", "DATABASE_PATH": str(folder / "kit.db"),
+        "CONFIG_DIR": str(config), "MEMORY_FILE_PATH": str(folder / "memory.jsonl"),
+    })
+    service = AgentService(settings)
+    try:
+        await service.open()  # as for (b) and (c), building the graph is not timed
+        start = time.perf_counter()
+        conversation = None
+        for turn in range(TURNS):
+            run = await service.chat(MESSAGE.format(turn), conversation)
+            conversation = run.conversation
+            async for _ in run.events():
+                pass
+        return time.perf_counter() - start
+    finally:
+        await service.aclose()
+
+
+async def main() -> None:
+    server, url = start_scripted_model(ROOT / "data" / "scripts")
+    results: dict[str, list[float]] = {"kit": [], "bare": [], "memory": []}
+    peaks: dict[str, int] = {}
+    try:
+        for _ in range(ROUNDS):
+            for name in results:  # interleaved, so drift on the machine hits all three alike
+                with tempfile.TemporaryDirectory() as tmp:
+                    tracemalloc.start()
+                    if name == "kit":
+                        seconds = await run_kit(url, Path(tmp))
+                    else:
+                        seconds = await run_bare(url, Path(tmp), in_memory=name == "memory")
+                    peaks[name] = max(peaks.get(name, 0), tracemalloc.get_traced_memory()[1])
+                    tracemalloc.stop()
+                results[name].append(seconds / TURNS)  # one graph step (agent) per turn
+    finally:
+        stop_server(server)
+    median = {name: statistics.median(values) for name, values in results.items()}
+    print(f"{TURNS}-turn conversation, {ROUNDS} rounds, scripted model with zero token delay")
+    for label, name in (("(a) kit service", "kit"), ("(b) LangGraph + AsyncSqliteSaver", "bare"),
+                        ("(c) LangGraph + InMemorySaver", "memory")):
+        spread = f"{min(results[name]) * 1000:.1f}-{max(results[name]) * 1000:.1f}"
+        print(f"{label:<36} {median[name] * 1000:7.1f} ms/step  (range {spread} ms, peak traced {peaks[name] / 1e6:.1f} MB)")
+    print(f"ratio (a)/(b) = {median['kit'] / median['bare']:.2f}   (target <= 1.10)")
+    print(f"ratio (b)/(c) = {median['bare'] / median['memory']:.2f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,589 @@
+"""The chat widget's view-model and its two backends. Pure Python: no ipywidgets here.
+
+`ChatViewModel` holds what the widget shows (conversations, transcript, the answer being
+streamed, a status line, an error banner, `busy`, `resumable`) and runs each agent turn on a
+worker thread, telling its listeners what changed. When a turn ends it reloads everything from
+durable state, so what you see afterwards is what the database says, not what was streamed.
+
+A backend is where the agent runs:
+
+- `ServiceBackend`: an `AgentService` in this process, on an asyncio loop owned by a thread of
+  its own (ipykernel 7 stops advancing tasks created on the kernel's loop once a cell ends);
+- `ChildBackend`: a `LabKernel` / `LabWorker` child. Its events come from the child's event log
+  and every read goes through the read-only views, because the child owns the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from .errors import SophosError
+
+FINAL_EVENTS = ("end", "chat-error", "rejected", "process-exited", "kernel-error")
+"""Events that end a turn: the run's own final events, a refusal, or the child going away."""
+
+WIDGET_ERROR = "WIDGET_ERROR"
+CHILD_EXITED = "CHILD_EXITED"
+
+EventDict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ConversationSummary:
+    """One entry of the conversation list."""
+
+    id: str
+    title: str
+    status: str | None
+    message_count: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.title} · {self.status or 'no runs'} · {self.message_count} msgs"
+
+
+@dataclass(frozen=True)
+class TranscriptItem:
+    """One thing in the transcript: a `user` or `assistant` message, a `tool_call` chip or a
+    `tool_result` (whose `status` is `success` or `error`)."""
+
+    kind: str
+    text: str = ""
+    name: str = ""
+    arguments: dict[str, Any] | None = None
+    status: str = ""
+
+
+@dataclass(frozen=True)
+class ErrorBanner:
+    """Why the last run (or the last request) did not finish: an error code and its message."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ThreadDetail:
+    """A conversation as durable state describes it.
+
+    `orphaned` means the database still says `running` but the process that ran the run is
+    gone (killed): only the next runtime to open the file will relabel it `interrupted`.
+    """
+
+    conversation_id: str
+    messages: list[dict[str, Any]]
+    next: tuple[str, ...]
+    resumable: bool
+    run_status: str | None
+    error: ErrorBanner | None = None
+    orphaned: bool = False
+
+
+class ChatBackend(Protocol):
+    """Where the agent runs. `chat` and `resume` yield event dicts up to a final event."""
+
+    def conversations(self) -> list[ConversationSummary]: ...
+
+    def detail(self, conversation_id: str) -> ThreadDetail: ...
+
+    def chat(self, message: str, conversation: str | None) -> Iterator[EventDict]: ...
+
+    def resume(self, conversation: str) -> Iterator[EventDict]: ...
+
+    def close(self) -> None: ...
+
+
+def recorded_error(status: str | None, code: str | None, message: str | None) -> ErrorBanner | None:
+    """The banner for a run's recorded outcome: only failed or interrupted runs with a code."""
+    if status in ("failed", "interrupted") and code:
+        return ErrorBanner(code, message or "")
+    return None
+
+
+def transcript_from_messages(messages: list[dict[str, Any]]) -> list[TranscriptItem]:
+    """Transcript items from message dicts (`sophos_lab.messages.message_dto`)."""
+    items: list[TranscriptItem] = []
+    for message in messages:
+        role = message["role"]
+        if role == "user":
+            items.append(TranscriptItem("user", message["content"]))
+        elif role == "assistant":
+            if message["content"]:
+                items.append(TranscriptItem("assistant", message["content"]))
+            items.extend(
+                TranscriptItem("tool_call", name=call["name"], arguments=call["args"])
+                for call in message.get("toolCalls", [])
+            )
+        elif role == "tool":
+            items.append(TranscriptItem(
+                "tool_result", message["content"], name=message.get("name") or "",
+                status=message.get("status") or "success",
+            ))
+    return items
+
+
+def describe(detail: ThreadDetail | None) -> str:
+    """The status line for a conversation at rest."""
+    if detail is None:
+        return "New conversation: type a message and press Send."
+    count = len(detail.messages)
+    next_nodes = ", ".join(detail.next)
+    if detail.orphaned:
+        return (
+            "The database still says `running`, but the process that ran it is gone. "
+            "Resume starts a fresh child; its first open of the database relabels the run "
+            f"`interrupted`, then it continues with `{next_nodes}`."
+        )
+    if detail.run_status == "running":
+        return "A run of this conversation is in progress in another process."
+    if detail.resumable:
+        outcome = "failed" if detail.run_status == "failed" else "stopped before it finished"
+        return f"The last run {outcome}. Its progress is saved: Resume continues with `{next_nodes}`."
+    if detail.run_status is None:
+        return f"No run yet · {count} messages."
+    return f"Last run {detail.run_status} · {count} messages."
+
+
+@dataclass
+class _Turn:
+    """What the turn in progress has streamed since its last step boundary."""
+
+    tokens: list[str] = field(default_factory=list)
+    step: int | None = None
+    answering: bool = False
+
+
+class ChatViewModel:
+    """What the chat widget shows, and the actions behind its buttons.
+
+    Listeners are called as `listener(what)` with `what` either `"live"` (only the streamed
+    answer grew) or `"all"`; they may be called from the worker thread.
+    """
+
+    def __init__(self, backend: ChatBackend, open_latest: bool = True) -> None:
+        self.backend = backend
+        self.conversations: list[ConversationSummary] = []
+        self.conversation_id: str | None = None
+        self.transcript: list[TranscriptItem] = []
+        self.streamed_answer = ""
+        """The text the last turn's final model step streamed (kept after the turn ends)."""
+        self.status = ""
+        self.error: ErrorBanner | None = None
+        self.busy = False
+        self.resumable = False
+        self.detail: ThreadDetail | None = None
+        self._turn = _Turn()
+        self._listeners: list[Callable[[str], None]] = []
+        self._lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self.reload()
+        if open_latest and self.conversations:
+            self.select(self.conversations[0].id)
+
+    # what the view reads
+
+    @property
+    def live_text(self) -> str:
+        """The answer being streamed by the current model step."""
+        return "".join(self._turn.tokens)
+
+    @property
+    def can_resume(self) -> bool:
+        """Whether to show Resume: the thread is resumable and no turn is running here."""
+        return self.resumable and not self.busy
+
+    def subscribe(self, listener: Callable[[str], None]) -> None:
+        self._listeners.append(listener)
+
+    # actions
+
+    def send(self, text: str) -> bool:
+        """Start a turn with a user message (in a new conversation unless one is open).
+
+        False when a turn is already running or the text is blank."""
+        with self._lock:
+            if self.busy or not text.strip():
+                return False
+            self._begin("Sending…")
+            self.transcript = [*self.transcript, TranscriptItem("user", text)]
+            conversation = self.conversation_id
+        self._notify("all")
+        self._start(lambda: self.backend.chat(text, conversation))
+        return True
+
+    def resume(self) -> bool:
+        """Start a turn that continues the open conversation from its latest checkpoint.
+
+        False when a turn is already running or the thread is not resumable."""
+        with self._lock:
+            if not self.can_resume or self.conversation_id is None:
+                return False
+            self._begin("Resuming…")
+            conversation = self.conversation_id
+        self._notify("all")
+        self._start(lambda: self.backend.resume(conversation))
+        return True
+
+    def select(self, conversation_id: str) -> bool:
+        """Open a conversation (False while a turn is running)."""
+        with self._lock:
+            if self.busy:
+                return False
+            self.conversation_id = conversation_id
+            self.error = None
+        self.reload()
+        return True
+
+    def new_conversation(self) -> bool:
+        """Start afresh: the next Send creates a conversation (False while a turn is running)."""
+        with self._lock:
+            if self.busy:
+                return False
+            self.conversation_id = None
+            self.error = None
+        self.reload()
+        return True
+
+    def reload(self) -> None:
+        """Read the conversation list and the open conversation from durable state.
+
+        While a turn is running only the list is refreshed, so the live transcript stays."""
+        try:
+            conversations = self.backend.conversations()
+            with self._lock:
+                current, busy = self.conversation_id, self.busy
+            detail = self.backend.detail(current) if current and not busy else None
+        except Exception as exc:  # a widget must show, not raise, what went wrong
+            with self._lock:
+                self.error = ErrorBanner(WIDGET_ERROR, f"reload failed: {type(exc).__name__}: {exc}")
+            self._notify("all")
+            return
+        with self._lock:
+            self.conversations = conversations
+            if not busy:
+                self._show(detail)
+        self._notify("all")
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the turn in progress; True when none is running any more."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return not self.busy
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Wait for the turn in progress, then close the backend."""
+        self.join(timeout)
+        self.backend.close()
+
+    # the turn, on its worker thread
+
+    def _begin(self, status: str) -> None:
+        self.busy = True
+        self.error = None
+        self.resumable = False
+        self.streamed_answer = ""
+        self._turn = _Turn()
+        self.status = status
+
+    def _start(self, stream: Callable[[], Iterator[EventDict]]) -> None:
+        self._thread = threading.Thread(target=self._follow, args=(stream,), name="sophos-chat-turn", daemon=True)
+        self._thread.start()
+
+    def _follow(self, stream: Callable[[], Iterator[EventDict]]) -> None:
+        final: EventDict = {"event": "rejected", "data": {
+            "code": WIDGET_ERROR, "message": "the event stream ended without a final event",
+        }}
+        try:
+            for event in stream():
+                if event["event"] in FINAL_EVENTS:
+                    final = event
+                    break
+                self._apply(event)
+        except Exception as exc:  # shown in the banner; the turn must always end
+            final = {"event": "rejected", "data": {"code": WIDGET_ERROR, "message": f"{type(exc).__name__}: {exc}"}}
+        self._finish(final)
+
+    def _apply(self, event: EventDict) -> None:
+        name, data = event["event"], event.get("data")
+        with self._lock:
+            turn = self._turn
+            if name == "token":
+                turn.tokens.append(data)
+                if turn.answering:
+                    what = "live"
+                else:
+                    turn.answering, what = True, "all"
+                    self.status = f"step {turn.step} · agent: answering…"
+            elif name == "reasoning":
+                what = "all"
+                self.status = f"step {turn.step} · agent: thinking…"
+            elif name == "started":
+                what = "all"
+                self.conversation_id = data["conversation"]
+                self.status = f"{'Resuming' if data.get('resume') else 'Running'} run {data['run'][:8]}…"
+            elif name == "note":
+                what, self.status = "all", str(data)
+            elif name == "trace":
+                what = "all"
+                self._trace(data)
+            else:
+                return
+        if name == "started":
+            self._refresh_list()
+        self._notify(what)
+
+    def _trace(self, note: dict[str, Any]) -> None:
+        turn, kind, data = self._turn, note["event"], note.get("data") or {}
+        if kind == "enter":
+            self._flush_live()
+            turn.step, turn.answering = note["step"], False
+            if note["node"] == "agent":
+                self.status = f"step {note['step']} · agent ({note['name']}): calling the model…"
+            else:
+                self.status = f"step {note['step']} · tools: {note['name']}"
+        elif kind == "call":
+            self._flush_live()
+            self.transcript = [*self.transcript, TranscriptItem("tool_call", name=data["name"], arguments=data["arguments"])]
+        elif kind == "result":
+            self.transcript = [*self.transcript, TranscriptItem(
+                "tool_result", data["result"], name=data["name"], status=data.get("status") or "success",
+            )]
+        elif kind == "leave" and "error" in data:
+            self.status = f"step {note['step']} · {note['node']} raised: {data['error']}"
+
+    def _flush_live(self) -> None:
+        """Move the streamed text into the transcript (a model step that also called tools)."""
+        text = self.live_text
+        if text:
+            self.transcript = [*self.transcript, TranscriptItem("assistant", text)]
+        self._turn.tokens = []
+
+    def _finish(self, final: EventDict) -> None:
+        with self._lock:
+            self.streamed_answer = self.live_text
+            conversation = self.conversation_id
+        try:
+            conversations = self.backend.conversations()
+            detail = self.backend.detail(conversation) if conversation else None
+            reload_error = None
+        except Exception as exc:
+            detail, conversations = None, self.conversations
+            reload_error = ErrorBanner(WIDGET_ERROR, f"reload failed: {type(exc).__name__}: {exc}")
+        with self._lock:
+            self.conversations = conversations
+            self._turn = _Turn()
+            self.busy = False
+            if detail is not None or conversation is None:
+                self._show(detail)
+            self.error = _final_error(final) or reload_error or self.error
+        self._notify("all")
+
+    def _show(self, detail: ThreadDetail | None) -> None:
+        self.detail = detail
+        self.transcript = transcript_from_messages(detail.messages) if detail else []
+        self.resumable = bool(detail and detail.resumable)
+        self.error = detail.error if detail else None
+        self.status = describe(detail)
+
+    def _refresh_list(self) -> None:
+        try:
+            conversations = self.backend.conversations()
+        except Exception:  # the list catches up at the end of the turn
+            return
+        with self._lock:
+            self.conversations = conversations
+
+    def _notify(self, what: str) -> None:
+        for listener in list(self._listeners):
+            listener(what)
+
+
+def _final_error(final: EventDict) -> ErrorBanner | None:
+    """The banner a final event calls for (None for `end`)."""
+    name, data = final["event"], final.get("data") or {}
+    if name in ("chat-error", "rejected"):
+        return ErrorBanner(data.get("code", WIDGET_ERROR), data.get("message", ""))
+    if name == "process-exited":
+        return ErrorBanner(CHILD_EXITED, (
+            f"The child process exited (return code {data.get('returncode')}) during the run; "
+            "nothing recorded the run's outcome."
+        ))
+    if name == "kernel-error":
+        return ErrorBanner(CHILD_EXITED, f"The child kernel's cell raised {data.get('error')}")
+    return None
+
+
+class ServiceBackend:
+    """An `AgentService` in this process, on an asyncio loop that a thread of its own runs.
+
+    Every call into the service runs on that loop (`run_coroutine_threadsafe`); events come back
+    through a `queue.Queue`. Nothing is ever scheduled on the notebook kernel's own loop.
+    """
+
+    def __init__(self, settings: Any, log_dir: Path | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sophos-chat-loop", daemon=True)
+        self._thread.start()
+        self.service = self._call(_make_service(settings, log_dir))
+
+    def conversations(self) -> list[ConversationSummary]:
+        async def read() -> list[ConversationSummary]:
+            return [
+                ConversationSummary(c.id, c.title, c.status, c.message_count)
+                for c in self.service.list_conversations()
+            ]
+        return self._call(read())
+
+    def detail(self, conversation_id: str) -> ThreadDetail:
+        found = self._call(self.service.get_conversation(conversation_id))
+        summary = found.conversation
+        return ThreadDetail(
+            conversation_id=summary.id, messages=found.messages, next=found.next,
+            resumable=found.resumable, run_status=summary.status,
+            error=recorded_error(summary.status, summary.error_code, summary.error_message),
+        )
+
+    def chat(self, message: str, conversation: str | None) -> Iterator[EventDict]:
+        return self._stream(lambda: self.service.chat(message, conversation))
+
+    def resume(self, conversation: str) -> Iterator[EventDict]:
+        return self._stream(lambda: self.service.resume(conversation))
+
+    def close(self) -> None:
+        """Drain the service (as a shutdown would), then stop the loop and its thread."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self.service.shutdown())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def _call(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _stream(self, start: Callable[[], Any]) -> Iterator[EventDict]:
+        events: queue.Queue[EventDict] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                run = await start()
+            except SophosError as error:
+                events.put({"event": "rejected", "data": error.to_dict()})
+                return
+            async for event in run.events():
+                events.put(event.to_dict())
+
+        def on_done(future: Future) -> None:
+            problem = "cancelled" if future.cancelled() else future.exception()
+            if problem is not None:  # never leave the reader waiting
+                events.put({"event": "rejected", "data": {"code": WIDGET_ERROR, "message": repr(problem)}})
+
+        asyncio.run_coroutine_threadsafe(pump(), self._loop).add_done_callback(on_done)
+        while True:
+            event = events.get()
+            yield event
+            if event["event"] in FINAL_EVENTS:
+                return
+
+
+async def _make_service(settings: Any, log_dir: Path | None) -> Any:
+    """The service, created on the loop that will run it."""
+    from .service import AgentService
+
+    return AgentService(settings, log_dir=log_dir)
+
+
+class ChildBackend:
+    """A `LabKernel` or `LabWorker` child: commands go to the child, reads to the database file.
+
+    When the child is gone (killed), the next Send or Resume first starts a fresh one with
+    `restart` (by default the child's own `start()`, same settings). Its first open of the
+    database relabels the dead run `interrupted`, so the resume is accepted.
+    """
+
+    def __init__(self, child: Any, restart: Callable[[], Any] | None = None, poll: float = 0.2) -> None:
+        self.child = child
+        self.restart = restart or child.start
+        self.db_path = Path(child.env["DATABASE_PATH"])
+        self.poll = poll
+        """How often (s) to check that the child is alive while no event arrives."""
+
+    def conversations(self) -> list[ConversationSummary]:
+        from . import inspect as views
+
+        latest = {run.conversation_id: run.status for run in views.peek_runs(self.db_path).itertuples()}
+        return [
+            ConversationSummary(row.id, row.title, latest.get(row.id), int(row.message_count))
+            for row in views.conversations(self.db_path).itertuples()
+        ]
+
+    def detail(self, conversation_id: str) -> ThreadDetail:
+        from . import inspect as views
+
+        messages, next_nodes = views.thread_view(self.db_path, conversation_id)
+        runs = views.peek_runs(self.db_path, conversation_id)
+        last = runs.iloc[-1] if len(runs) else None
+        status = None if last is None else last["status"]
+        orphaned = status == "running" and last["id"] not in self._live_runs()
+        return ThreadDetail(
+            conversation_id=conversation_id, messages=messages, next=next_nodes,
+            resumable=bool(next_nodes) and (status != "running" or orphaned), run_status=status,
+            error=None if last is None else recorded_error(status, _text(last["error_code"]), _text(last["error_message"])),
+            orphaned=orphaned,
+        )
+
+    def chat(self, message: str, conversation: str | None) -> Iterator[EventDict]:
+        return self._follow(lambda child: child.chat(message, conversation))
+
+    def resume(self, conversation: str) -> Iterator[EventDict]:
+        return self._follow(lambda child: child.resume(conversation))
+
+    def close(self) -> None:
+        """Nothing to do: the child belongs to whoever started it (the lab closes it)."""
+
+    def _follow(self, command: Callable[[Any], None]) -> Iterator[EventDict]:
+        if not self.child.is_alive():
+            yield {"event": "note", "data": "The child is gone: starting a fresh one…"}
+            self.child = self.restart()
+        child = self.child
+        command(child)
+        index = child.log.mark
+        while True:
+            batch = child.log.events_since(index, timeout=self.poll)
+            index += len(batch)
+            for event in batch:
+                yield event
+                if event["event"] in FINAL_EVENTS:
+                    return
+            # A killed kernel's reader may stop without logging its exit.
+            if not batch and not child.is_alive():
+                yield {"event": "process-exited", "data": {"returncode": None}}
+                return
+
+    def _live_runs(self) -> set[str]:
+        """Runs the live child has started and not finished (by its event log)."""
+        if not self.child.is_alive():
+            return set()
+        live: set[str] = set()
+        for event in list(self.child.log.events):
+            data = event.get("data")
+            if event["event"] == "started":
+                live.add(data["run"])
+            elif event["event"] in ("end", "chat-error"):
+                live.discard(data["run"])
+        return live
+
+
+def _text(value: Any) -> str | None:
+    """A text cell of a DataFrame row (pandas gives NaN for NULL)."""
+    return value if isinstance(value, str) else None
