@@ -412,10 +412,9 @@ def _final_error(final: EventDict) -> ErrorBanner | None:
     if name in ("chat-error", "rejected"):
         return ErrorBanner(data.get("code", WIDGET_ERROR), data.get("message", ""))
     if name == "process-exited":
-        return ErrorBanner(CHILD_EXITED, (
-            f"The child process exited (return code {data.get('returncode')}) during the run; "
-            "nothing recorded the run's outcome."
-        ))
+        code = data.get("returncode")
+        how = "" if code is None else f" (return code {code})"
+        return ErrorBanner(CHILD_EXITED, f"The child process exited{how} during the run; nothing recorded its outcome.")
     if name == "kernel-error":
         return ErrorBanner(CHILD_EXITED, f"The child kernel's cell raised {data.get('error')}")
     return None

@@ -45,6 +45,13 @@ class EventLog:
             self.events.append(event)
             self._changed.notify_all()
 
+    def append_once(self, event: dict[str, Any]) -> None:
+        """Append `event` unless one of the same name is already there (e.g. the exit)."""
+        with self._changed:
+            if not any(e["event"] == event["event"] for e in self.events):
+                self.events.append(event)
+                self._changed.notify_all()
+
     def start_command(self) -> None:
         with self._changed:
             self.mark = len(self.events)
@@ -201,7 +208,7 @@ class LabWorker(_Child):
             event = parse_line(line)
             if event is not None:
                 self.log.append(event)
-        self.log.append({"event": EXITED, "data": {"returncode": proc.wait()}})
+        self.log.append_once({"event": EXITED, "data": {"returncode": proc.wait()}})
 
 
 KERNEL_NAME = "sophos-lab-child"
@@ -268,7 +275,7 @@ class LabKernel(_Child):
         """SIGKILL to the kernel's process group (not `shutdown_kernel(now=True)`: no SIGINT first)."""
         self.km.signal_kernel(signal.SIGKILL)
         code = self.km.provisioner.process.wait()
-        self._tidy()
+        self._tidy(code)
         return code
 
     def shutdown(self, timeout: float = 60.0) -> int:
@@ -279,7 +286,7 @@ class LabKernel(_Child):
             code = process.wait(timeout)
         except subprocess.TimeoutExpired:
             return self.kill()
-        self._tidy()
+        self._tidy(code)
         return code
 
     def close(self) -> None:
@@ -288,7 +295,7 @@ class LabKernel(_Child):
         if self.is_alive():
             self.kill()
         else:
-            self._tidy()
+            self._tidy(self.km.provisioner.process.poll() if self.km.provisioner else None)
 
     def _send(self, cmd: str, **args: Any) -> None:
         if cmd == "chat":
@@ -297,8 +304,9 @@ class LabKernel(_Child):
             code = f"await _sophos.resume({args['conversation']!r})"
         self.kc.execute(code, store_history=False)
 
-    def _tidy(self) -> None:
+    def _tidy(self, returncode: int | None) -> None:
         self._stop.set()
+        self.log.append_once({"event": EXITED, "data": {"returncode": returncode}})
         self.kc.stop_channels()
         self.km.cleanup_resources()
 
@@ -321,7 +329,7 @@ class LabKernel(_Child):
             except queue.Empty:
                 if not km.is_alive():
                     code = km.provisioner.process.poll() if km.provisioner else None
-                    self.log.append({"event": EXITED, "data": {"returncode": code}})
+                    self.log.append_once({"event": EXITED, "data": {"returncode": code}})
                     return
                 continue
             except Exception:  # channels closed under us by kill()/shutdown()
