@@ -47,11 +47,20 @@ def _has_table(conn: sqlite3.Connection, name: str) -> bool:
     return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
 
 
+def _plain(frame: pd.DataFrame) -> pd.DataFrame:
+    """Missing values as None, not NaN (pandas 3 infers a `str` dtype whose missing value is NaN),
+    so that `error_code` reads None and `state()["runs"]` compares with `(status, None)`."""
+    for column in frame.columns:
+        if frame[column].dtype != object and pd.api.types.is_string_dtype(frame[column].dtype):
+            frame[column] = frame[column].astype(object).where(frame[column].notna(), None)
+    return frame
+
+
 def _query(db_path: str | Path, table: str, sql: str, params: tuple, columns: list[str]) -> pd.DataFrame:
     with read_only(db_path) as conn:
         if conn is None or not _has_table(conn, table):
             return pd.DataFrame(columns=columns)
-        return pd.read_sql_query(sql, conn, params=params)
+        return _plain(pd.read_sql_query(sql, conn, params=params))
 
 
 def peek_runs(db_path: str | Path, conversation: str | None = None) -> pd.DataFrame:
@@ -101,7 +110,7 @@ def checkpoints(db_path: str | Path, conversation: str) -> pd.DataFrame:
             "checkpoint_id": record["checkpoint_id"],
             "created_at": record["created_at"],
         })
-    return pd.DataFrame(rows, columns=CHECKPOINT_COLUMNS)
+    return _plain(pd.DataFrame(rows, columns=CHECKPOINT_COLUMNS))
 
 
 def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
@@ -129,7 +138,7 @@ def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
             "channel": channel,
             "value": _short(serde.loads_typed((type_, value))),
         })
-    return pd.DataFrame(records, columns=WRITE_COLUMNS)
+    return _plain(pd.DataFrame(records, columns=WRITE_COLUMNS))
 
 
 def thread_view(db_path: str | Path, conversation: str) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
@@ -154,7 +163,7 @@ def messages(db_path: str | Path, conversation: str) -> pd.DataFrame:
             "tool_calls": [call["name"] for call in m.get("toolCalls", [])] or None,
         } for m in dtos],
         columns=MESSAGE_COLUMNS,
-    )
+    ).pipe(_plain)
 
 
 def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
@@ -189,19 +198,23 @@ def timeline(db_path: str | Path, conversation: str):
     colours = {"completed": "tab:green", "failed": "tab:red", "interrupted": "tab:orange", "running": "tab:blue"}
     runs = peek_runs(db_path, conversation)
     points = checkpoints(db_path, conversation)
-    figure, axes = plt.subplots(figsize=(9, 1.2 + 0.45 * max(len(runs), 1)))
+    origin = pd.Timestamp(runs["started_at"].iloc[0]).timestamp() if len(runs) else 0.0
+    figure, axes = plt.subplots(figsize=(9, 1.2 + 0.6 * max(len(runs), 1)))
     for row, run in enumerate(runs.itertuples()):
-        start = pd.Timestamp(run.started_at)
-        end = pd.Timestamp(run.finished_at) if run.finished_at else start
-        axes.barh(row, (end - start).total_seconds(), left=start.timestamp(), color=colours.get(run.status, "grey"))
-        axes.text(start.timestamp(), row, f" run {row + 1}: {run.status} {run.error_code or ''}", va="center", fontsize=8)
+        start = pd.Timestamp(run.started_at).timestamp() - origin
+        end = pd.Timestamp(run.finished_at).timestamp() - origin if isinstance(run.finished_at, str) else start
+        axes.barh(row, max(end - start, 0.02), left=start, height=0.3, color=colours.get(run.status, "grey"))
+        code = run.error_code if isinstance(run.error_code, str) else ""
+        axes.text(start, row - 0.25, f"run {row + 1}: {run.status} {code}", va="bottom", fontsize=8)
         mine = points[points["run_id"] == run.id]
-        times = [pd.Timestamp(t).timestamp() for t in mine["created_at"]]
-        axes.scatter(times, [row - 0.3] * len(times), marker="|", color="black")
+        times = [pd.Timestamp(t).timestamp() - origin for t in mine["created_at"]]
+        axes.scatter(times, [row + 0.3] * len(times), marker="|", color="black")
         for time, step in zip(times, mine["step"]):
-            axes.annotate(str(step), (time, row - 0.45), fontsize=7, ha="center")
+            axes.annotate(str(step), (time, row + 0.3), xytext=(0, -10), textcoords="offset points",
+                          fontsize=7, ha="center", va="top", annotation_clip=False)
+    axes.set_ylim(max(len(runs), 1) - 0.2, -0.8)  # run 1 on top
     axes.set_yticks([])
-    axes.set_xlabel("time (s since epoch); ticks are checkpoints, labelled with their step")
+    axes.set_xlabel("seconds since the first run started; ticks are checkpoints, labelled with their step")
     axes.set_title(f"runs and checkpoints of {conversation[:8]}…")
     figure.tight_layout()
     return figure
