@@ -17,6 +17,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
+	# jupyter-events asks for jsonschema[format-nongpl], which brings rfc3987-syntax; importing it
+	# builds a grammar (1.3-2.4 s) in every process that imports the MCP client, so in every agent
+	# child. Nothing needs it: jsonschema skips the IRI format checks without it.
+	$(BIN)/pip uninstall --quiet --yes rfc3987-syntax
 	touch $@
 
 node_modules/.installed: package.json
