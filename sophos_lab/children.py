@@ -127,6 +127,12 @@ class _Child:
         self.log.start_command()
         self._send("resume", conversation=conversation)
 
+    def conversations(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """List conversations in the child; its first database access runs recovery there."""
+        self.log.start_command()
+        self._send("conversations")
+        return self.wait_for("conversations", timeout=timeout)["data"]["conversations"]
+
     def wait_for(self, names: str | tuple[str, ...], timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
         """Block until the latest command's stream shows the event (e.g. `"trace", event="result"`)."""
         return self.log.wait_for(names, timeout=timeout, **fields)
@@ -298,7 +304,9 @@ class LabKernel(_Child):
             self._tidy(self.km.provisioner.process.poll() if self.km.provisioner else None)
 
     def _send(self, cmd: str, **args: Any) -> None:
-        if cmd == "chat":
+        if cmd == "conversations":
+            code = "_sophos.conversations();"
+        elif cmd == "chat":
             code = f"await _sophos.chat({args['message']!r}, {args['conversation']!r})"
         else:
             code = f"await _sophos.resume({args['conversation']!r})"

@@ -11,12 +11,13 @@ handles SIGTERM:
 
 `python -m sophos_lab.worker` reads one JSON command per line on stdin:
 `{"cmd": "chat", "message": ..., "conversation": ...}`, `{"cmd": "resume", "conversation": ...}`,
-`{"cmd": "exit"}`. A refused command answers with a `rejected` event `{code, message}`.
+`{"cmd": "conversations"}` (opens the database: recovery runs), `{"cmd": "exit"}`. A refused command answers with a `rejected` event `{code, message}`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -75,6 +76,15 @@ class ChildRuntime:
     async def resume(self, conversation: str) -> dict[str, Any] | None:
         return await self._follow(lambda: self.service.resume(conversation), "resume")
 
+    def conversations(self) -> list[dict[str, Any]]:
+        """Like the original's `GET /api/conversations`: the first call opens the database, so
+        crash recovery runs here. Emits a `conversations` event with the list."""
+        items = [dataclasses.asdict(c) for c in self.service.list_conversations()]
+        self.emit({"event": "conversations", "data": {
+            "conversations": items, "recovered_runs": self.service.store.recovered_runs,
+        }})
+        return items
+
     async def _follow(self, start: Callable, command: str) -> dict[str, Any] | None:
         self._loop = asyncio.get_running_loop()
         try:
@@ -101,7 +111,11 @@ class ChildRuntime:
             self.emit({"event": "exited", "data": {"reason": "sigterm"}})
             os._exit(0)
         if naive:
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.service.aclose()))
+            async def close_now() -> None:
+                await self.service.aclose()
+                self.emit({"event": "connections-closed", "data": {}})
+
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(close_now()))
         else:
             self.service.request_drain("sigterm")
             timeout = self.service.settings.shutdown_timeout
@@ -138,6 +152,9 @@ async def serve_stdin(runtime: ChildRuntime) -> None:
             continue
         if name == "exit":
             break
+        if name == "conversations":
+            runtime.conversations()
+            continue
         if name == "chat":
             coro = runtime.chat(command.get("message"), command.get("conversation"))
         elif name == "resume":
