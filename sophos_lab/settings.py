@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T", int, float)
 
 DEFAULT_OLLAMA_HOST = "http://localhost:11434"
 DEFAULT_OLLAMA_MODEL = "qwen3"
@@ -48,8 +51,8 @@ class Settings:
             database_path=_absolute(get("DATABASE_PATH", DEFAULT_DATABASE_PATH)),
             config_dir=_absolute(get("CONFIG_DIR", DEFAULT_CONFIG_DIR)),
             memory_file_path=_absolute(get("MEMORY_FILE_PATH", DEFAULT_MEMORY_FILE_PATH)),
-            recursion_limit=_positive_int(env.get("AGENT_RECURSION_LIMIT"), DEFAULT_RECURSION_LIMIT),
-            shutdown_timeout=_positive_float(env.get("SHUTDOWN_TIMEOUT"), DEFAULT_SHUTDOWN_TIMEOUT),
+            recursion_limit=_positive(env.get("AGENT_RECURSION_LIMIT"), DEFAULT_RECURSION_LIMIT, int),
+            shutdown_timeout=_positive(env.get("SHUTDOWN_TIMEOUT"), DEFAULT_SHUTDOWN_TIMEOUT, float),
             naive_shutdown=(env.get("SOPHOS_LAB_NAIVE_SHUTDOWN") or "").lower() in ("1", "true", "yes"),
         )
 
@@ -70,18 +73,10 @@ def _absolute(value: str) -> Path:
     return Path(value).expanduser().absolute()
 
 
-def _positive_int(raw: str | None, default: int) -> int:
-    """The original's rule: unset, empty, non-integer or <= 0 all mean the default."""
+def _positive(raw: str | None, default: T, kind: Callable[[str], T]) -> T:
+    """The original's rule: unset, empty, unparsable or <= 0 all mean the default."""
     try:
-        value = int(raw or "")
-    except ValueError:
-        return default
-    return value if value > 0 else default
-
-
-def _positive_float(raw: str | None, default: float) -> float:
-    try:
-        value = float(raw or "")
+        value = kind(raw or "")
     except ValueError:
         return default
     return value if value > 0 else default
