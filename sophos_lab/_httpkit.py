@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import json
+import os
 import select
 import socket
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -20,6 +22,9 @@ from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+EXIT_WITH_PARENT = "SOPHOS_LAB_EXIT_WITH_PARENT"
+"""Set by the launcher: serve until stdin closes, so a server never outlives its lab."""
 
 MAX_WAIT = 300.0
 """Upper bound, in seconds, for a long-poll on the server side."""
@@ -172,6 +177,9 @@ def serve(server: ThreadingHTTPServer, **ready: Any) -> None:
     host, port = server.server_address[:2]
     line = {"ready": True, "url": f"http://{host}:{port}", **ready}
     print(json.dumps(line), flush=True)
+    if os.environ.get(EXIT_WITH_PARENT) == "1":
+        # The parent holds our stdin open; end of input means it is gone, whatever killed it.
+        threading.Thread(target=lambda: (sys.stdin.buffer.read(), server.shutdown()), daemon=True).start()
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -32,7 +32,7 @@ def spawn_module(
     with anything it started. Raises RuntimeError (with the child's stderr)
     if no ready line arrives within ``timeout`` seconds.
     """
-    env = dict(os.environ)
+    env = dict(os.environ, SOPHOS_LAB_EXIT_WITH_PARENT="1")
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p
     )
@@ -41,7 +41,7 @@ def spawn_module(
     with tempfile.TemporaryFile() as stderr:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,  # held open; the server stops when it closes (see _httpkit)
             stdout=subprocess.PIPE,
             stderr=stderr,
             env=env,
@@ -81,8 +81,9 @@ def stop_server(proc: subprocess.Popen, timeout: float = 5.0) -> None:
             except subprocess.TimeoutExpired:
                 continue
     proc.wait()
-    if proc.stdout and not proc.stdout.closed:
-        proc.stdout.close()
+    for stream in (proc.stdin, proc.stdout):
+        if stream and not stream.closed:
+            stream.close()
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:

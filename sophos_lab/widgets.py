@@ -57,7 +57,7 @@ STYLE = """<style>
 .sophos-chat .sx-banner { padding: 6px 10px; border-radius: 4px; border: 1px solid var(--jp-error-color1);
   border-left-width: 4px; background: var(--jp-layout-color1); color: var(--jp-ui-font-color1); }
 .sophos-chat .sx-banner b { color: var(--jp-error-color1); font-family: var(--jp-code-font-family); }
-.sophos-chat .sx-status { color: var(--jp-ui-font-color2); font-size: var(--jp-ui-font-size1); }
+.sophos-chat .sx-status { color: var(--jp-ui-font-color2); font-size: var(--jp-ui-font-size1); line-height: 1.4; }
 .sophos-chat .sx-empty { color: var(--jp-ui-font-color3); font-style: italic; }
 </style>"""
 

@@ -1,0 +1,311 @@
+"""The chat lesson in a real browser: JupyterLab on loopback, Debian's Chromium driven by Playwright.
+
+The test opens `notebooks/06_chat_and_resume.ipynb` with `CLICK_RESUME = False`, so that the
+notebook kills the agent mid-answer and then stops with the Resume button showing. Then it does
+what a learner does: presses Resume in the rendered widget and waits for the completed answer.
+Everything is real: the JupyterLab frontend and the ipywidgets extension, the notebook kernel,
+the agent's child kernel, the scripted model, the MCP servers and the SQLite file.
+
+Nothing is written to $HOME: JupyterLab's config, data and runtime directories, IPython's
+directory, the lab directories (`SOPHOS_LAB_HOME`) and the browser's home are temporary. The
+screenshots go to `.lab/artifacts/` (git-ignored). Only the distribution's Chromium is used;
+Playwright never downloads a browser here.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "06_chat_and_resume.ipynb"
+ARTIFACTS = ROOT / ".lab" / "artifacts"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+TIMEOUT_MS = 120_000
+"""Playwright's timeout for every wait: the whole notebook (two kernels, MCP servers) runs within it."""
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (CI installs Debian's chromium in .ci/run)"
+)
+
+
+def last_bullet() -> str:
+    """The last line of the scripted 12-bullet answer, without its "- "."""
+    script = json.loads((ROOT / "data" / "scripts" / "10_fetch_and_summarise.json").read_text())
+    answer = next(turn["text"] for turn in script["turns"] if turn.get("pause") == "summary")
+    return answer.splitlines()[-1].removeprefix("- ")
+
+
+# --- JupyterLab on loopback ---------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    url: str
+    token: str
+    root_dir: Path
+    runtime_dir: Path
+    proc: subprocess.Popen
+
+    def api(self, method: str, path: str, body: dict | None = None) -> object:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Authorization": f"token {self.token}"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            text = response.read()
+        return json.loads(text) if text else None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_user_settings(config_dir: Path) -> None:
+    """No news or update checks (no network, no toasts); every cell attached to the DOM."""
+    settings = config_dir / "lab" / "user-settings" / "@jupyterlab"
+    files = {
+        "apputils-extension/notification.jupyterlab-settings": {
+            "fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True,
+        },
+        "notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+    }
+    for name, values in files.items():
+        path = settings / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+
+
+def prepare_notebook(root_dir: Path) -> Path:
+    """The lesson with `CLICK_RESUME = False` in its parameters cell, in JupyterLab's root."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    (cell,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+    source = re.sub(r"(?m)^CLICK_RESUME = True\b", "CLICK_RESUME = False", cell.source)
+    assert source != cell.source, f"no `CLICK_RESUME = True` line in the parameters cell:\n{cell.source}"
+    cell.source = source
+    path = root_dir / NOTEBOOK.name
+    nbformat.write(notebook, path)
+    return path
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    """JupyterLab on 127.0.0.1 with a random token, every directory of its own temporary."""
+    dirs = {name: tmp_path / name for name in ("root", "config", "data", "runtime", "ipython", "labs")}
+    for path in dirs.values():
+        path.mkdir()
+    write_user_settings(dirs["config"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    for name in ("OLLAMA_HOST", "OLLAMA_MODEL", "JUPYTER_PATH", "JUPYTER_PLATFORM_DIRS"):
+        env.pop(name, None)
+    env.update({
+        "JUPYTER_CONFIG_DIR": str(dirs["config"]),
+        # Only the user's data directory moves: the venv's share/jupyter (the kernelspec and the
+        # ipywidgets lab extension) stays on the data path.
+        "JUPYTER_DATA_DIR": str(dirs["data"]),
+        "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]),
+        "IPYTHONDIR": str(dirs["ipython"]),
+        "SOPHOS_LAB_HOME": str(dirs["labs"]),
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+    })
+    port, token = free_port(), secrets.token_hex(16)
+    log = open(tmp_path / "jupyterlab.log", "wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "jupyterlab", "--ip=127.0.0.1", f"--port={port}", "--no-browser",
+            "--allow-root", f"--ServerApp.token={token}", f"--ServerApp.root_dir={dirs['root']}",
+            "--ServerApp.port_retries=0", "--NotebookNotary.db_file=:memory:",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            # no language-server detection: it runs `npm prefix -g`, which writes to ~/.npm/_logs
+            "--LanguageServerManager.autodetect=False",
+        ],
+        env=env, cwd=dirs["root"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    server = Server(f"http://127.0.0.1:{port}", token, dirs["root"], dirs["runtime"], proc)
+    try:
+        wait_ready(server, tmp_path / "jupyterlab.log")
+        yield server
+    finally:
+        stop_server(server)
+        log.close()
+
+
+def wait_ready(server: Server, log_path: Path, timeout: float = 90.0) -> None:
+    """Readiness probe: poll `/api/status` until it answers (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.proc.poll() is not None:
+            pytest.fail(f"JupyterLab exited with {server.proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            server.api("GET", "/api/status")
+            return
+        except (OSError, urllib.error.URLError):
+            if time.monotonic() > deadline:
+                pytest.fail(f"JupyterLab did not answer within {timeout} s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+
+def stop_server(server: Server) -> None:
+    """Shut down every kernel, then JupyterLab; SIGKILL its process group if it hangs."""
+    if server.proc.poll() is None:
+        try:
+            for kernel in server.api("GET", "/api/kernels"):
+                server.api("DELETE", f"/api/kernels/{kernel['id']}")
+            server.api("POST", "/api/shutdown")
+            server.proc.wait(30)
+        except (OSError, urllib.error.URLError, subprocess.TimeoutExpired):
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+
+
+# --- the notebook's kernel, from outside the browser -------------------------------------
+
+
+def notebook_kernel_client(server: Server):
+    """A second client of the notebook's kernel (through its connection file), or None."""
+    from jupyter_client import BlockingKernelClient
+
+    sessions = [s for s in server.api("GET", "/api/sessions") if s["path"].endswith(NOTEBOOK.name)]
+    if not sessions:
+        return None
+    client = BlockingKernelClient(connection_file=str(server.runtime_dir / f"kernel-{sessions[0]['kernel']['id']}.json"))
+    client.load_connection_file()
+    client.start_channels()
+    return client
+
+
+def evaluate(client, code: str, **expressions: str) -> dict[str, object]:
+    """Run `code` in the notebook's kernel, then evaluate `expressions` there (Python literals)."""
+    reply = client.execute(code, user_expressions=expressions, reply=True, timeout=60)
+    content = reply["content"]
+    assert content["status"] == "ok", f"{content.get('ename')}: {content.get('evalue')}"
+    values = {}
+    for name, result in content["user_expressions"].items():
+        assert result["status"] == "ok", f"{name}: {result.get('ename')}: {result.get('evalue')}"
+        values[name] = ast.literal_eval(result["data"]["text/plain"])
+    return values
+
+
+def close_lab(server: Server) -> None:
+    """What the learner does at the end: `lab.close()` (kills the child, stops the servers)."""
+    client = notebook_kernel_client(server)
+    if client is None:
+        return
+    try:
+        evaluate(client, "if 'lab' in globals():\n    lab.close()")
+    finally:
+        client.stop_channels()
+
+
+# --- the test -------------------------------------------------------------------------------
+
+
+def wait_for_kernel(page, server: Server, timeout: float = 120.0) -> None:
+    """Until the notebook's kernel is idle and the page is connected to it.
+
+    Run All before then opens JupyterLab's "Select Kernel" dialog instead of running anything
+    (the toolbar's execution indicator says `idle` even before there is a kernel)."""
+    from playwright.sync_api import expect
+
+    expect(page.locator(".jp-StatusBar-Widget")).to_contain_text("Python 3 (ipykernel) | Idle")
+    deadline = time.monotonic() + timeout
+    while not any(
+        s["path"] == NOTEBOOK.name and s["kernel"]["execution_state"] == "idle" and s["kernel"]["connections"] > 0
+        for s in server.api("GET", "/api/sessions")
+    ):
+        assert time.monotonic() < deadline, f"the notebook's kernel was not ready within {timeout} s"
+        time.sleep(0.2)
+    expect(page.locator(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator")).to_have_attribute("data-status", "idle")
+
+
+def run_all_cells(page) -> None:
+    """Menu Run → Run All Cells, as a person would."""
+    page.locator("#jp-menu-panel .lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu .lm-Menu-item", has_text=re.compile(r"^Run All Cells")).click()
+
+
+def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    server = jupyterlab
+    prepare_notebook(server.root_dir)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser_home = tmp_path / "browser-home"
+    browser_home.mkdir()
+    browser_env = {**os.environ, "HOME": str(browser_home), "XDG_CONFIG_HOME": str(browser_home / ".config"),
+                   "XDG_CACHE_HOME": str(browser_home / ".cache")}
+    expect.set_options(timeout=TIMEOUT_MS)
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS, env=browser_env,
+        )
+        page = browser.new_page(viewport={"width": 1280, "height": 1100}, device_scale_factor=2)
+        page.set_default_timeout(TIMEOUT_MS)
+        try:
+            page.goto(f"{server.url}/lab/tree/{NOTEBOOK.name}?token={server.token}")
+            expect(page.locator(".jp-NotebookPanel .jp-Cell").first).to_be_visible()
+            wait_for_kernel(page, server)
+            run_all_cells(page)
+
+            # The notebook kills the agent mid-answer, reloads the widget and leaves Resume to us.
+            expect(page.get_by_text("Your turn: press Resume in the widget above.")).to_be_visible()
+            chat = page.locator(".sophos-chat").last  # the widget shown again in section 3
+            resume = chat.get_by_role("button", name="Resume")
+            expect(resume).to_be_visible()
+            expect(chat.locator(".sx-status")).to_contain_text("the process that ran it is gone")
+            chat.scroll_into_view_if_needed()
+            chat.screenshot(path=ARTIFACTS / "chat-widget-before-resume.png")
+
+            resume.click()
+            answer = chat.locator(".sx-msg.sx-assistant:not(.sx-live)", has_text=last_bullet())
+            expect(answer).to_be_visible()
+            expect(chat.locator(".sx-status")).to_have_text("Last run completed · 4 messages.")
+            expect(resume).to_be_hidden()
+            expect(chat.locator(".sx-banner")).to_have_count(0)
+            expect(chat.locator(".sx-chip")).to_have_count(1)
+            chat.scroll_into_view_if_needed()
+            chat.screenshot(path=ARTIFACTS / "chat-widget.png")
+
+            # What the kernel says about the same moment.
+            client = notebook_kernel_client(server)
+            assert client is not None, "no session for the notebook"
+            try:
+                found = evaluate(
+                    client, "widget.join(60)",
+                    runs='lab.peek_runs(widget.view_model.conversation_id)["status"].tolist()',
+                    fetches='lab.fetches("wal.html")',
+                    resume_visible="widget.resume_visible",
+                    bullets='sum(line.startswith("- ") for line in widget.view_model.transcript[-1].text.splitlines())',
+                )
+            finally:
+                client.stop_channels()
+            assert found == {"runs": ["interrupted", "completed"], "fetches": 1, "resume_visible": False, "bullets": 12}
+        except Exception:
+            page.screenshot(path=ARTIFACTS / "chat-widget-failure.png", full_page=True)
+            raise
+        finally:
+            close_lab(server)
+            browser.close()
