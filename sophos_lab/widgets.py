@@ -12,6 +12,7 @@ boundaries; the streamed answer at most every `throttle` seconds.
 from __future__ import annotations
 
 import html
+import re
 import json
 import threading
 import time
@@ -96,7 +97,8 @@ def banner_html(error: ErrorBanner | None) -> str:
 
 def status_html(status: str, busy: bool) -> str:
     spinner = "⏳ " if busy else ""
-    return f'<div class="sx-status">{spinner}{html.escape(status)}</div>'
+    text = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(status))  # `next` etc. as code
+    return f'<div class="sx-status">{spinner}{text}</div>'
 
 
 class ChatWidget:
