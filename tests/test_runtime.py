@@ -1,0 +1,263 @@
+"""The runtime in this process: persistence, tools, failures, refusals and the event stream.
+
+Each `open_service()` block is a fresh start on the test's database, like a newly started
+process: its store, its checkpointer and its MCP servers open on first use.
+"""
+
+import asyncio
+
+import pytest
+from conftest import roles, statuses
+
+from sophos_lab.errors import (
+    AGENT_FAILURE,
+    MODEL_UNAVAILABLE,
+    RECURSION_LIMIT,
+    RUN_NOT_RESUMABLE,
+    SESSION_IN_PROGRESS,
+    SophosError,
+)
+from sophos_lab.inspect import peek_runs
+from sophos_lab.lab import dead_port_url
+
+MISSING_ENTITY = (
+    'Add the observation "has a lab" to the existing knowledge graph entity named '
+    '"no-such-entity-42". Use add_observations.'
+)
+
+
+def words(text: str) -> int:
+    """What the scripted model counts as tokens: whitespace-separated words."""
+    return len(text.split())
+
+
+# --- a conversation persists ---------------------------------------------------------------
+
+
+async def test_a_new_service_reads_a_finished_conversation_back(fetched, open_service):
+    async with open_service(DATABASE_PATH=str(fetched.db_path)) as fresh:
+        [summary] = fresh.list_conversations()
+        detail = await fresh.get_conversation(fetched.conversation)
+        assert not fresh.tools.discovered  # reading never starts the MCP servers
+
+    assert (summary.id, summary.status, summary.message_count) == (fetched.conversation, "completed", 4)
+    assert summary.title == f"Fetch {fetched.page}"
+    assert roles(detail) == ["user", "assistant", "tool", "assistant"]
+    assert detail.messages[0]["content"] == f"Fetch {fetched.page}"
+    assert (detail.next, detail.resumable) == ((), False)
+
+
+async def test_tool_calls_and_results_persist(fetched, open_service):
+    async with open_service(DATABASE_PATH=str(fetched.db_path)) as fresh:
+        _, call, result, _ = (await fresh.get_conversation(fetched.conversation)).messages
+
+    [tool_call] = call["toolCalls"]
+    assert (tool_call["name"], tool_call["args"]) == ("fetch__fetch", {"url": fetched.page})
+    assert result["name"] == "fetch__fetch"
+    assert result["toolCallId"] == tool_call["id"]
+    assert result["status"] == "success"
+
+
+async def test_a_real_fetch_returns_the_page_text_and_fetches_once(fetched, open_service):
+    async with open_service(DATABASE_PATH=str(fetched.db_path)) as fresh:
+        result = (await fresh.get_conversation(fetched.conversation)).messages[2]
+
+    assert "This domain is for use in illustrative examples" in result["content"]
+    assert fetched.fetches == 1
+
+
+async def test_a_second_turn_sends_only_the_new_message(lab, open_service):
+    async with open_service() as agent:
+        first = await agent.ask("hello")
+        conversation = first.data["conversation"]
+        seen = len(lab.model.chat_requests())
+
+        second = await agent.ask("hi there", conversation)
+
+        detail = await agent.get_conversation(conversation)
+    [request] = lab.model.chat_requests()[seen:]
+
+    assert second.event == "end"
+    # The caller passed one message; the model got the system prompt, the history and it.
+    assert request["n_messages"] == 1 + 2 + 1
+    assert request["last_role"] == "user"
+    assert roles(detail) == ["user", "assistant", "user", "assistant"]
+
+
+async def test_the_system_prompt_is_read_on_every_call_and_never_stored(open_service, config_dir):
+    system_md = config_dir / "system.md"
+    old_prompt = system_md.read_text().strip()
+    new_prompt = "Answer in one short sentence."
+    async with open_service() as agent:
+        conversation = (await agent.ask("hello")).data["conversation"]
+        system_md.write_text(new_prompt + "\n")
+        await agent.ask("hi there", conversation)
+        history = await agent.state_history(conversation)
+
+    assert all(m.type != "system" for snapshot in history for m in snapshot.values.get("messages", []))
+    first_reply, second_reply = [m for m in history[-1].values["messages"] if m.type == "ai"]
+    # The scripted model reports the words it was sent as the prompt's token count.
+    assert first_reply.usage_metadata["input_tokens"] == words(old_prompt) + words("hello")
+    assert second_reply.usage_metadata["input_tokens"] == (
+        words(new_prompt) + words("hello") + words(first_reply.content) + words("hi there")
+    )
+
+
+# --- tools ---------------------------------------------------------------------------------
+
+
+async def test_a_tool_error_is_data_for_the_model_and_the_run_completes(open_service):
+    async with open_service() as agent:
+        end = await agent.ask(MISSING_ENTITY)
+    async with open_service() as fresh:
+        detail = await fresh.get_conversation(end.data["conversation"])
+        [run] = fresh.list_runs(end.data["conversation"])
+
+    failed_call, retry = [m for m in detail.messages if m["role"] == "tool"]
+    assert (failed_call["name"], failed_call["status"]) == ("memory__add_observations", "error")
+    assert failed_call["content"] == "Entity with name no-such-entity-42 not found"
+    assert (retry["name"], retry["status"]) == ("memory__create_entities", "success")
+    assert end.data["status"] == "completed"
+    assert (run.status, run.error_code) == ("completed", None)
+
+
+# --- failures and resume -------------------------------------------------------------------
+
+
+async def test_a_dead_model_port_fails_the_run_and_a_resume_completes_it(lab, open_service):
+    async with open_service(OLLAMA_HOST=dead_port_url()) as down:
+        error = await down.ask(f"Fetch {lab.page('index.html')}")
+        conversation = error.data["conversation"]
+        failed = await down.get_conversation(conversation)
+
+    assert (error.event, error.data["code"]) == ("chat-error", AGENT_FAILURE)
+    assert (failed.next, failed.resumable) == (("agent",), True)
+    assert roles(failed) == ["user"]
+
+    async with open_service() as back:
+        end = await (await back.resume(conversation)).wait()
+        resumed = await back.get_conversation(conversation)
+        assert statuses(back, conversation) == ["failed", "completed"]
+
+    assert end.data["status"] == "completed"
+    assert roles(resumed) == ["user", "assistant", "tool", "assistant"]
+
+
+async def test_an_unknown_model_is_model_unavailable(open_service):
+    async with open_service(OLLAMA_MODEL="does-not-exist") as agent:
+        error = await agent.ask("hello")
+        detail = await agent.get_conversation(error.data["conversation"])
+        [run] = agent.list_runs(error.data["conversation"])
+
+    assert error.data["code"] == MODEL_UNAVAILABLE
+    assert (run.status, run.error_code) == ("failed", MODEL_UNAVAILABLE)
+    assert detail.next == ("agent",)
+
+
+async def test_an_endless_tool_loop_hits_the_recursion_limit_and_stays_resumable(open_service):
+    async with open_service(AGENT_RECURSION_LIMIT="5") as agent:
+        error = await agent.ask("loop forever")
+        detail = await agent.get_conversation(error.data["conversation"])
+        [run] = agent.list_runs(error.data["conversation"])
+
+    assert error.data["code"] == RECURSION_LIMIT
+    assert (run.status, run.error_code) == ("failed", RECURSION_LIMIT)
+    assert detail.next and detail.resumable
+    assert roles(detail)[:3] == ["user", "assistant", "tool"]
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+async def test_a_busy_conversation_refuses_a_second_start(lab, open_service):
+    lab.web.hold("/index.html")
+    try:
+        async with open_service() as agent:
+            run = await agent.chat(f"Fetch {lab.page('index.html')}")
+            await asyncio.to_thread(lab.web.wait_held)
+
+            with pytest.raises(SophosError) as second_chat:
+                await agent.chat("hello", run.conversation)
+            with pytest.raises(SophosError) as resume:
+                await agent.resume(run.conversation)
+
+            lab.web.release()
+            end = await run.wait()
+    finally:
+        lab.web.release()
+
+    assert second_chat.value.code == resume.value.code == SESSION_IN_PROGRESS
+    assert end.data["status"] == "completed"
+
+
+async def test_the_database_refuses_a_second_running_run_from_another_service(lab, open_service, db_path):
+    lab.web.hold("/index.html")
+    try:
+        async with open_service() as first, open_service() as second:
+            second.list_conversations()  # open the file now, before the first service's run
+            run = await first.chat(f"Fetch {lab.page('index.html')}")
+            await asyncio.to_thread(lab.web.wait_held)
+
+            with pytest.raises(SophosError) as refused:
+                await second.chat("hello", run.conversation)
+
+            lab.web.release()
+            await run.wait()
+    finally:
+        lab.web.release()
+
+    assert refused.value.code == SESSION_IN_PROGRESS
+    assert list(peek_runs(db_path, run.conversation)["status"]) == ["completed"]
+
+
+async def test_a_finished_thread_is_not_resumable(fetched, open_service):
+    async with open_service(DATABASE_PATH=str(fetched.db_path)) as fresh:
+        with pytest.raises(SophosError) as refused:
+            await fresh.resume(fetched.conversation)
+        assert statuses(fresh, fetched.conversation) == ["completed"]
+
+    assert refused.value.code == RUN_NOT_RESUMABLE
+
+
+# --- events --------------------------------------------------------------------------------
+
+
+def test_a_run_starts_with_started_and_ends_with_end(fetched):
+    first, last = fetched.events[0], fetched.events[-1]
+    assert (first.event, first.data["conversation"], first.data["resume"]) == ("started", fetched.conversation, False)
+    assert (last.event, last.data["status"], last.data["run"]) == ("end", "completed", fetched.run)
+    assert [event.id for event in fetched.events] == list(range(1, len(fetched.events) + 1))
+
+
+async def test_tokens_add_up_to_the_final_answer(fetched, open_service):
+    async with open_service(DATABASE_PATH=str(fetched.db_path)) as fresh:
+        answer = (await fresh.get_conversation(fetched.conversation)).messages[-1]
+
+    tokens = [event.data for event in fetched.events if event.event == "token"]
+    assert len(tokens) > 1
+    assert "".join(tokens) == answer["content"]
+
+
+def test_every_step_is_traced_as_an_enter_leave_pair(fetched):
+    steps = [
+        (event.data["event"], event.data["step"], event.data["node"])
+        for event in fetched.events
+        if event.event == "trace" and event.data["event"] in ("enter", "leave")
+    ]
+    assert steps == [
+        ("enter", 1, "agent"), ("leave", 1, "agent"),
+        ("enter", 2, "tools"), ("leave", 2, "tools"),
+        ("enter", 3, "agent"), ("leave", 3, "agent"),
+    ]
+    [result] = [e.data["data"] for e in fetched.events if e.event == "trace" and e.data["event"] == "result"]
+    assert (result["name"], result["status"]) == ("fetch__fetch", "success")
+
+
+async def test_the_outcome_is_on_disk_before_the_end_event(open_service, db_path):
+    async with open_service() as agent:
+        run = await agent.chat("hello")
+        async for event in run.events():
+            if event.event == "end":
+                on_disk = list(peek_runs(db_path, run.conversation)["status"])
+
+    assert on_disk == ["completed"]
