@@ -38,7 +38,7 @@ from sophos_lab.service import AgentService  # noqa: E402
 from sophos_lab.settings import Settings  # noqa: E402
 
 TURNS = 10
-ROUNDS = 5
+ROUNDS = 15
 MESSAGE = "Hello, benchmark turn {}"
 PROMPT = "You are a benchmark."
 
