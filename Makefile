@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PORT ?= 8888
-NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=180 \
+NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=120 \
 	--nbval-kernel-startup-timeout=120 --nbval-sanitize-with tests/notebooks/sanitize.cfg -p no:python
 
 .PHONY: setup lab test test-unit test-notebooks benchmark reset clean
@@ -37,11 +37,11 @@ lab: setup
 	$(BIN)/sophos-lab lab --port $(PORT)
 
 test: setup
-	$(BIN)/pytest tests
+	$(BIN)/pytest -p no:nbval tests
 	$(BIN)/pytest $(NBVAL_FLAGS) notebooks
 
 test-unit: setup
-	$(BIN)/pytest tests
+	$(BIN)/pytest -p no:nbval tests
 
 test-notebooks: setup
 	$(BIN)/pytest $(NBVAL_FLAGS) notebooks

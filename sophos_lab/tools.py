@@ -125,7 +125,7 @@ async def open_session(server: ServerConfig, errlog: IO[str]):
     """An initialised MCP client session to one server."""
     from mcp import ClientSession, StdioServerParameters
     from mcp.client.stdio import stdio_client
-    from mcp.client.streamable_http import streamablehttp_client
+    from mcp.client.streamable_http import streamable_http_client
 
     if server.command:
         params = StdioServerParameters(
@@ -133,7 +133,7 @@ async def open_session(server: ServerConfig, errlog: IO[str]):
         )
         transport = stdio_client(params, errlog=errlog)
     else:
-        transport = streamablehttp_client(server.url)
+        transport = streamable_http_client(server.url)
     async with transport as streams:
         async with ClientSession(streams[0], streams[1]) as session:
             await session.initialize()
@@ -202,12 +202,12 @@ class McpTools:
         try:
             results = await asyncio.gather(*found)
         except ToolsUnavailable as error:
-            ready.set_exception(error)
-            stop.set()
-        else:
-            ready.set_result([tool for tools in results for tool in tools])
-        finally:
+            stop.set()  # close what did start before saying so: the caller may retry at once
             await asyncio.gather(*hosts, return_exceptions=True)
+            ready.set_exception(error)
+            return
+        ready.set_result([tool for tools in results for tool in tools])
+        await asyncio.gather(*hosts, return_exceptions=True)
 
     async def _serve_one(self, server: ServerConfig, found: asyncio.Future, stop: asyncio.Event) -> None:
         """Hold one server's session open (entered and left in this task) until `stop`."""

@@ -31,7 +31,7 @@ def test_notebook_runs_with_injected_parameters(path: Path, tmp_path: Path) -> N
     out.parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(
         str(path), str(out), parameters=parameters, kernel_name="python3",
-        cwd=str(path.parent), execution_timeout=180, start_timeout=120, progress_bar=False,
+        cwd=str(path.parent), execution_timeout=120, start_timeout=120, progress_bar=False,
     )
     executed = nbformat.read(out, as_version=4)
     injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
