@@ -58,6 +58,30 @@ def is_scripted_model(host: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class RealModelControls:
+    """What stands in for the scripted model's controls when a real Ollama answers.
+
+    A real model cannot be paused, so `arm` and `release` do nothing and `wait_paused` returns
+    at once: a kill then lands whenever it lands, as in the original's curl labs, and the
+    lessons' checks on exact outcomes may not hold every time.
+    """
+
+    url: str
+
+    def arm(self, pause: str) -> None:
+        pass
+
+    def wait_paused(self, timeout: float = 10.0) -> str:
+        return ""
+
+    def release(self) -> int:
+        return 0
+
+    def chat_requests(self, script: str | None = None) -> list[dict]:
+        raise RuntimeError("a real Ollama keeps no request log: only the scripted model counts calls")
+
+
 @dataclass
 class Lab:
     """One lab: its directory, its servers, the children it started, and read-only views."""
@@ -66,7 +90,7 @@ class Lab:
     root: Path
     ollama_host: str
     ollama_model: str
-    model: ScriptedModelControl | None
+    model: ScriptedModelControl | RealModelControls
     web: WebFixturesControl
     shutdown_timeout: float = 5.0
     _servers: list[subprocess.Popen] = field(default_factory=list)
@@ -92,9 +116,9 @@ class Lab:
         web_proc, web_url = start_web_fixtures(KIT_ROOT / "data" / "web", log_file=root / "logs" / "web-access.jsonl")
         servers.append(web_proc)
         host = ollama_host or os.environ.get("OLLAMA_HOST")
-        model_control = None
         if host and not is_scripted_model(host):
             model_name = ollama_model or os.environ.get("OLLAMA_MODEL") or Settings().ollama_model
+            model_control: ScriptedModelControl | RealModelControls = RealModelControls(host)
         else:
             model_proc, host = start_scripted_model(
                 KIT_ROOT / "data" / "scripts", log_file=root / "logs" / "model-requests.jsonl"
@@ -119,6 +143,11 @@ class Lab:
     @property
     def config_dir(self) -> Path:
         return self.root / "config"
+
+    @property
+    def scripted(self) -> bool:
+        """Whether the model is the kit's scripted one (a real Ollama cannot be paused)."""
+        return isinstance(self.model, ScriptedModelControl)
 
     def page(self, name: str) -> str:
         """The loopback URL of a page in `data/web/`."""
@@ -210,13 +239,12 @@ class Lab:
 
     def model_calls(self, script: str | None = None) -> int:
         """How many `/api/chat` requests the scripted model has answered."""
-        assert self.model is not None, "model calls are counted by the scripted model only"
         return len(self.model.chat_requests(script))
 
     # lifecycle
 
     def describe(self) -> str:
-        scripted = " (scripted: deterministic, not a language model)" if self.model else ""
+        scripted = " (scripted: deterministic, not a language model)" if self.scripted else ""
         rows = [
             ("lab", self.name),
             ("directory", str(self.root.relative_to(KIT_ROOT) if self.root.is_relative_to(KIT_ROOT) else self.root)),
