@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 node_modules/.installed: package.json
-	npm install --no-audit --no-fund --loglevel=error
+	npm install --no-audit --no-fund --no-package-lock --loglevel=error
 	touch $@
 
 # The fetch MCP server in a venv of its own starts in about 1 s instead of 4 (see sophos_lab/tools.py).
