@@ -94,10 +94,9 @@ class ActiveRun:
 
     async def wait(self) -> Event:
         """The final event (`end` or `chat-error`)."""
-        async for event in self.events(len(self.buffer) - 1 if self.finished else 0):
-            if event.is_terminal:
-                return event
-        raise AssertionError("unreachable")
+        async for event in self.events(len(self.buffer) - 1 if self.buffer else 0):
+            pass
+        return event  # events() stops right after the final event
 
 
 class AgentService:
