@@ -3,6 +3,8 @@
 The test opens `notebooks/06_chat_and_resume.ipynb` with `CLICK_RESUME = False`, so that the
 notebook kills the agent mid-answer and then stops with the Resume button showing. Then it does
 what a learner does: presses Resume in the rendered widget and waits for the completed answer.
+Finally it switches JupyterLab to its dark theme (Settings → Theme → JupyterLab Dark) and checks
+that the widget follows: its colours come from JupyterLab's CSS variables, not hard-coded ones.
 Everything is real: the JupyterLab frontend and the ipywidgets extension, the notebook kernel,
 the agent's child kernel, the scripted model, the MCP servers and the SQLite file.
 
@@ -246,6 +248,40 @@ def run_all_cells(page) -> None:
     page.locator(".lm-Menu .lm-Menu-item", has_text=re.compile(r"^Run All Cells")).click()
 
 
+WIDGET_COLOURS = """chat => {
+    const style = selector => getComputedStyle(chat.querySelector(selector));
+    const answer = style(".sx-msg.sx-assistant:not(.sx-live)");
+    return {
+        transcript_text: answer.color,
+        transcript_background: answer.backgroundColor,
+        role_label: style(".sx-msg.sx-assistant .sx-role").color,
+        status_text: style(".sx-status").color,
+    };
+}"""
+"""The computed colours of the widget's transcript (its last answer) and status line."""
+
+
+def switch_to_dark_theme(page) -> None:
+    """Menu Settings → Theme → JupyterLab Dark; returns once the dark theme's CSS is in effect.
+
+    Waits for `<body data-jp-theme-light="false" data-jp-theme-name="JupyterLab Dark">` and for
+    the page's `--jp-layout-color0` to change, so that nothing is read from a half-applied theme."""
+    from playwright.sync_api import expect
+
+    light_background = page.evaluate("getComputedStyle(document.body).getPropertyValue('--jp-layout-color0')")
+    page.locator("#jp-menu-panel .lm-MenuBar-item", has_text=re.compile(r"^Settings$")).click()
+    page.locator(".lm-Menu .lm-Menu-item", has_text=re.compile(r"^Theme$")).click()  # opens the submenu
+    page.locator(".lm-Menu .lm-Menu-item", has_text=re.compile(r"^JupyterLab Dark$")).click()
+    body = page.locator("body")
+    expect(body).to_have_attribute("data-jp-theme-light", "false")
+    expect(body).to_have_attribute("data-jp-theme-name", "JupyterLab Dark")
+    page.wait_for_function(
+        "light => getComputedStyle(document.body).getPropertyValue('--jp-layout-color0') !== light",
+        arg=light_background,
+    )
+    expect(page.locator(".lm-Menu")).to_have_count(0)  # the menu closed after the click
+
+
 def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
@@ -288,6 +324,7 @@ def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_pat
             expect(chat.locator(".sx-chip")).to_have_count(1)
             chat.scroll_into_view_if_needed()
             chat.screenshot(path=ARTIFACTS / "chat-widget.png")
+            light = chat.evaluate(WIDGET_COLOURS)
 
             # What the kernel says about the same moment.
             client = notebook_kernel_client(server)
@@ -303,6 +340,14 @@ def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_pat
             finally:
                 client.stop_channels()
             assert found == {"runs": ["interrupted", "completed"], "fetches": 1, "resume_visible": False, "bullets": 12}
+
+            # The same widget in JupyterLab's dark theme: its colours must follow the theme.
+            switch_to_dark_theme(page)
+            chat.scroll_into_view_if_needed()
+            chat.screenshot(path=ARTIFACTS / "chat-widget-dark.png")
+            dark = chat.evaluate(WIDGET_COLOURS)
+            same = {name: value for name, value in dark.items() if light[name] == value}
+            assert not same, f"the widget keeps its light-theme colours in the dark theme: {same}\nlight: {light}\ndark: {dark}"
         except Exception:
             page.screenshot(path=ARTIFACTS / "chat-widget-failure.png", full_page=True)
             raise
