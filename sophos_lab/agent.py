@@ -27,6 +27,7 @@ from langgraph.prebuilt import ToolNode
 
 from . import errors
 from .settings import Settings
+from .tools import model_facing, with_idempotency_key
 
 DEFAULT_SYSTEM_PROMPT = "You are an AI assistant with access to MCP tools."
 _MODEL_NOT_FOUND = re.compile(r"model .* not found", re.IGNORECASE)
@@ -68,7 +69,7 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):
         assert parts is not None, "this graph was built for reading only"
         tools = await parts.tools()
         model = parts.model()
-        bound = model.bind_tools(tools) if tools else model
+        bound = model.bind_tools(model_facing(tools)) if tools else model
         prompt = [SystemMessage(parts.system_prompt()), *state["messages"]]
         try:
             response = await bound.ainvoke(prompt, config)
@@ -80,8 +81,14 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):
 
     async def tools(state: MessagesState, config: RunnableConfig) -> dict:
         assert parts is not None, "this graph was built for reading only"
+        thread_id = config["configurable"]["thread_id"]
+
+        async def keyed(request, execute):
+            return await execute(request.override(
+                tool_call=with_idempotency_key(request.tool_call, request.tool, thread_id)))
+
         # One task for all tool calls of a turn: that task is the unit a resume repeats.
-        node = ToolNode(await parts.tools())
+        node = ToolNode(await parts.tools(), awrap_tool_call=keyed)
         return await node.ainvoke(state, config)
 
     builder = StateGraph(MessagesState)

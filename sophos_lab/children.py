@@ -4,6 +4,8 @@ Both have the same small interface: `chat()` and `resume()` return at once; `wai
 until the child's event stream shows a given event (a barrier, never a timer); `kill()` sends
 SIGKILL to the child's whole process group; `shutdown()` sends SIGTERM to the child alone and
 waits for it to finish its graceful path; `is_alive()`; `start()` starts a fresh child.
+MCP stdio servers run in sessions of their own (the MCP client's choice), so a kill does not
+reach them directly: they exit when the dead child's end of their stdin closes.
 """
 
 from __future__ import annotations
@@ -186,7 +188,11 @@ class LabWorker(_Child):
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> int:
-        """SIGKILL to the whole process group (the worker and its MCP servers); its exit code."""
+        """SIGKILL to the worker's process group; its exit code.
+
+        The MCP client starts each stdio server in a session of its own, so, as after a real
+        `kill -9`, the servers are not killed: each exits when its stdin closes.
+        """
         assert self.proc is not None
         _killpg(self.proc.pid, signal.SIGKILL)
         return self.proc.wait()

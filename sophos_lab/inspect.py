@@ -27,6 +27,7 @@ CHECKPOINT_COLUMNS = [
 ]
 WRITE_COLUMNS = ["checkpoint_id", "step", "task_id", "task_path", "idx", "channel", "value"]
 MESSAGE_COLUMNS = ["role", "content", "name", "status", "tool_calls"]
+LEDGER_COLUMNS = ["id", "to_account", "amount", "idempotency_key", "created_at"]
 
 
 @contextlib.contextmanager
@@ -69,6 +70,11 @@ def peek_runs(db_path: str | Path, conversation: str | None = None) -> pd.DataFr
     return _query(
         db_path, "runs", f"SELECT * FROM runs {where} ORDER BY started_at, rowid", params, RUN_COLUMNS
     )
+
+
+def ledger(db_path: str | Path) -> pd.DataFrame:
+    """The ledger server's payments table (sophos_lab/ledger_server.py), oldest first."""
+    return _query(db_path, "payments", "SELECT * FROM payments ORDER BY id", (), LEDGER_COLUMNS)
 
 
 def conversations(db_path: str | Path) -> pd.DataFrame:

@@ -141,6 +141,11 @@ class Lab:
         return self.root / "sophos.db"
 
     @property
+    def ledger_path(self) -> Path:
+        """The ledger server's database (lesson 07)."""
+        return self.root / "ledger.db"
+
+    @property
     def config_dir(self) -> Path:
         return self.root / "config"
 
@@ -161,6 +166,9 @@ class Lab:
             "DATABASE_PATH": str(self.db_path),
             "CONFIG_DIR": str(self.config_dir),
             "MEMORY_FILE_PATH": str(self.root / "memory.jsonl"),
+            "LEDGER_PATH": str(self.ledger_path),
+            # The ledger server reports each committed payment here, so `web.hold` can stop it there.
+            "LEDGER_NOTIFY_URL": f"{self.web.url}/ledger-committed",
             "SHUTDOWN_TIMEOUT": str(self.shutdown_timeout),
             "SOPHOS_LAB_LOG_DIR": str(self.root / "logs"),
             "IPYTHONDIR": str(self.root / "ipython"),
@@ -232,6 +240,10 @@ class Lab:
 
     def timeline(self, conversation: str):
         return views.timeline(self.db_path, conversation)
+
+    def ledger(self) -> pd.DataFrame:
+        """The ledger server's payments, oldest first (read-only; empty before the first one)."""
+        return views.ledger(self.ledger_path)
 
     def fetches(self, page: str) -> int:
         """How many times the fetch tool has read `page` (from the web server's access log)."""

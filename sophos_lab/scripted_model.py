@@ -268,10 +268,13 @@ class _Handler(JsonHandler):
 
     def _chat(self, body: dict) -> None:
         messages = body.get("messages") or []
+        functions = [t.get("function", {}) for t in body.get("tools") or []]
         entry = {
             "n_messages": len(messages),
             "last_role": messages[-1].get("role") if messages else None,
-            "tools": [t.get("function", {}).get("name") for t in body.get("tools") or []],
+            "tools": [f.get("name") for f in functions],
+            # What the model was shown of each tool: its parameter names.
+            "tool_args": {f.get("name"): list(f.get("parameters", {}).get("properties", {})) for f in functions},
         }
         model = body.get("model")
         if not self._known(model):
@@ -362,7 +365,7 @@ class _Handler(JsonHandler):
         }
 
 
-_LOG_FIELDS = ("model", "script", "turn", "n_messages", "last_role", "status", "tools")
+_LOG_FIELDS = ("model", "script", "turn", "n_messages", "last_role", "status", "tools", "tool_args")
 _DETAILS = {
     "parent_model": "",
     "format": "scripted",

@@ -19,12 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from langchain_core.messages import ToolCall
 from langchain_core.tools import BaseTool
 
 from .errors import CONFIG_ERROR, SophosError
 from .settings import Settings
 
 DISCOVERY_TIMEOUT = 60.0
+IDEMPOTENCY_KEY = "idempotency_key"
+"""A tool argument the runtime fills in itself (see `model_facing` and `with_idempotency_key`)."""
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SERVER_NAME = re.compile(r"^[A-Za-z0-9-]+$")
 
@@ -63,6 +66,10 @@ def kit_variables(settings: Settings) -> dict[str, str]:
         "SOPHOS_LAB_FETCH_PYTHON": str(fetch_python),
         "SOPHOS_LAB_FETCH_BIN": str(fetch_python.parent),
         "SOPHOS_LAB_ROOT": str(root),
+        # The ledger server of lesson 07: its database next to the memory file, and where it
+        # reports a committed payment (a lab sets it to hold the report; unset, it reports nowhere).
+        "LEDGER_PATH": os.environ.get("LEDGER_PATH") or str(settings.memory_file_path.with_name("ledger.db")),
+        "LEDGER_NOTIFY_URL": os.environ.get("LEDGER_NOTIFY_URL", ""),
     }
 
 
@@ -147,6 +154,42 @@ async def discover_tools(session: Any, server_name: str) -> list[BaseTool]:
     tools = await load_mcp_tools(session, server_name=server_name)
     # The adapter's call closure keeps the MCP tool's own name, so renaming is safe.
     return [tool.model_copy(update={"name": f"{server_name}__{tool.name}"}) for tool in tools]
+
+
+def takes_idempotency_key(tool: BaseTool) -> bool:
+    """Whether an MCP tool's input schema (a JSON schema dict) has an `idempotency_key` property."""
+    return isinstance(tool.args_schema, dict) and IDEMPOTENCY_KEY in tool.args_schema.get("properties", {})
+
+
+def model_facing(tools: list[BaseTool]) -> list[BaseTool]:
+    """The tools as the model is shown them: without an `idempotency_key` argument.
+
+    A key the model invents is not replay-safe: a re-sampled agent step may invent another one,
+    and a model may reuse one for a genuinely new request. So the model never sees the argument,
+    and the tools node fills it in (`with_idempotency_key`).
+    """
+    shown = []
+    for tool in tools:
+        if takes_idempotency_key(tool):
+            schema = dict(tool.args_schema)
+            schema["properties"] = {k: v for k, v in schema["properties"].items() if k != IDEMPOTENCY_KEY}
+            schema["required"] = [k for k in schema.get("required", []) if k != IDEMPOTENCY_KEY]
+            tool = tool.model_copy(update={"args_schema": schema})
+        shown.append(tool)
+    return shown
+
+
+def with_idempotency_key(call: ToolCall, tool: BaseTool | None, thread_id: str) -> ToolCall:
+    """`call` with `idempotency_key = "<thread_id>:<tool_call_id>"` if its tool takes one.
+
+    The key is derived, not stored: the tool call (and its id) is in the checkpoint before the
+    tools step runs, so a resume that repeats the step derives the same key, and the server can
+    tell the replay from a new request. A genuinely new tool call has a new id, hence a new key.
+    Whatever the model put in that argument is overwritten.
+    """
+    if tool is None or not takes_idempotency_key(tool):
+        return call
+    return {**call, "args": {**call["args"], IDEMPOTENCY_KEY: f"{thread_id}:{call['id']}"}}
 
 
 class McpTools:

@@ -1,0 +1,114 @@
+"""Side effects across a crash: a payment committed by a tool server, then a kill before the
+tools step's checkpoint, then a resume (lesson 07).
+
+The kill is placed by a barrier: the ledger server reports each committed payment to the lab's
+web fixture server, which holds that report (`lab.web.hold`) until the worker is killed. MCP
+clients start stdio servers in a session of their own, so the kill does not reach the ledger
+server: released after the kill, it answers into a closed pipe and exits.
+"""
+
+import pytest
+from langchain_core.tools import StructuredTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+
+from sophos_lab import ledger_server
+from sophos_lab.lab import Lab
+from sophos_lab.tools import IDEMPOTENCY_KEY, model_facing, with_idempotency_key
+
+COMMITTED = "/ledger-committed"
+
+
+@pytest.fixture
+def lab(request, lab_home):
+    with Lab.setup(f"tests-idempotency-{request.node.name}", quiet=True) as lab:
+        yield lab
+
+
+def crash_after_commit(lab, message):
+    """Chat `message`, kill the worker once the payment is committed; (conversation, tool call)."""
+    lab.web.hold(COMMITTED)
+    with lab.worker() as child:
+        child.chat(message)
+        conversation = child.conversation()
+        call = child.wait_for("trace", event="call")["data"]["data"]
+        assert lab.web.wait_held() == COMMITTED  # committed in the ledger; no checkpoint yet
+        assert child.kill() == -9
+    assert lab.web.release() == 1
+    return conversation, call
+
+
+def resume(lab, conversation):
+    """Resume in a fresh worker (its first database open relabels the killed run)."""
+    with lab.worker() as child:
+        child.resume(conversation)
+        final = child.wait_final()
+        results = [e["data"]["data"] for e in child.events() if e["event"] == "trace" and e["data"]["event"] == "result"]
+    assert (final["event"], final["data"]["status"]) == ("end", "completed"), final
+    return results
+
+
+def test_a_tools_step_replayed_after_the_commit_pays_twice(lab):
+    conversation, call = crash_after_commit(lab, "Pay 30 to alice.")
+    assert call["name"] == "ledger__record_payment"
+    assert lab.state(conversation)["last_checkpoint"]["next"] == ["tools"]
+    assert len(lab.ledger()) == 1  # the effect outlived the process that caused it
+
+    [result] = resume(lab, conversation)
+    ledger = lab.ledger()
+    assert ledger["to_account"].tolist() == ["alice", "alice"], ledger
+    assert ledger["idempotency_key"].tolist() == [None, None]
+    assert result["result"] == "payment 2: 30 to alice"  # the agent sees only the second payment
+    assert lab.web.hits(COMMITTED) == 2
+    assert list(lab.peek_runs(conversation)["status"]) == ["interrupted", "completed"]
+
+
+def test_a_runtime_key_makes_the_replayed_payment_a_no_op(lab):
+    conversation, call = crash_after_commit(lab, "Pay 30 to bob, exactly once.")
+    assert call["name"] == "ledger__record_payment_once"
+    assert IDEMPOTENCY_KEY not in call["arguments"]  # the model did not supply it
+    shown = lab.model.chat_requests("pay-once")[0]["tool_args"]
+    assert shown["ledger__record_payment_once"] == ["to", "amount"]  # nor was it shown the argument
+    assert lab.state(conversation)["last_checkpoint"]["next"] == ["tools"]
+
+    [result] = resume(lab, conversation)
+    ledger = lab.ledger()
+    assert ledger["to_account"].tolist() == ["bob"], ledger
+    assert ledger["idempotency_key"].tolist() == [f"{conversation}:{call['tool_call_id']}"]
+    assert result["result"] == "payment 1: 30 to bob"  # the first call's result, returned again
+    assert lab.web.hits(COMMITTED) == 2  # the server was called twice; it paid once
+    assert list(lab.peek_runs(conversation)["status"]) == ["interrupted", "completed"]
+
+
+def keyed_tool():
+    schema = {
+        "type": "object",
+        "properties": {"to": {"type": "string"}, "amount": {"type": "integer"}, IDEMPOTENCY_KEY: {"type": "string"}},
+        "required": ["to", "amount", IDEMPOTENCY_KEY],
+    }
+    return StructuredTool(name="ledger__pay", description="Pay.", args_schema=schema, func=lambda **kw: kw)
+
+
+def test_the_model_is_not_shown_the_idempotency_key_and_the_runtime_fills_it():
+    tool = keyed_tool()
+    [shown] = model_facing([tool])
+    parameters = convert_to_openai_tool(shown)["function"]["parameters"]
+    assert set(parameters["properties"]) == {"to", "amount"}
+    assert parameters["required"] == ["to", "amount"]
+    assert IDEMPOTENCY_KEY in tool.args_schema["properties"]  # the tool itself still takes it
+
+    call = {"name": "ledger__pay", "args": {"to": "bob", "amount": 30, IDEMPOTENCY_KEY: "made-up"}, "id": "call-1"}
+    keyed = with_idempotency_key(call, tool, "thread-1")
+    assert keyed["args"][IDEMPOTENCY_KEY] == "thread-1:call-1"  # the model's guess is overwritten
+    assert IDEMPOTENCY_KEY not in with_idempotency_key({**call, "args": {}}, model_facing([tool])[0], "t")["args"]
+
+
+def test_the_ledger_pays_once_per_key_and_refuses_a_key_reused_for_another_payment(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEDGER_PATH", str(tmp_path / "ledger.db"))
+    monkeypatch.delenv("LEDGER_NOTIFY_URL", raising=False)
+    assert ledger_server.record_payment("alice", 30) == "payment 1: 30 to alice"
+    assert ledger_server.record_payment("alice", 30) == "payment 2: 30 to alice"
+    assert ledger_server.record_payment_once("bob", 30, "t:c") == "payment 3: 30 to bob"
+    assert ledger_server.record_payment_once("bob", 30, "t:c") == "payment 3: 30 to bob"
+    with pytest.raises(ValueError, match="used for another payment"):
+        ledger_server.record_payment_once("bob", 31, "t:c")
+    assert ledger_server.record_payment_once("bob", 30, "t:d") == "payment 4: 30 to bob"
