@@ -36,6 +36,10 @@ node_modules/.installed: package.json
 lab: setup
 	$(BIN)/sophos-lab lab --port $(PORT)
 
+# Kernels started by the tests keep their IPython profile and connection files in .lab/.
+test test-unit test-notebooks: export IPYTHONDIR := $(CURDIR)/.lab/ipython
+test test-unit test-notebooks: export JUPYTER_RUNTIME_DIR := $(CURDIR)/.lab/jupyter-runtime
+
 test: setup
 	$(BIN)/pytest -p no:nbval tests
 	$(BIN)/pytest $(NBVAL_FLAGS) notebooks

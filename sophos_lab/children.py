@@ -10,6 +10,7 @@ reach them directly: they exit when the dead child's end of their stdin closes.
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import queue
@@ -110,7 +111,7 @@ def child_environment(overrides: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-class _Child:
+class _Child(abc.ABC):
     """What both backends share: the event log and the commands."""
 
     def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path) -> None:
@@ -156,8 +157,9 @@ class _Child:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @abc.abstractmethod
     def _send(self, cmd: str, **args: Any) -> None:
-        raise NotImplementedError
+        """Hand one command (`chat`, `resume`, `conversations`) to the child."""
 
 
 class LabWorker(_Child):

@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -132,7 +133,6 @@ def jupyterlab(tmp_path):
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
     })
     port, token = free_port(), secrets.token_hex(16)
-    log = open(tmp_path / "jupyterlab.log", "wb")
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "jupyterlab", "--ip=127.0.0.1", f"--port={port}", "--no-browser",
@@ -142,31 +142,48 @@ def jupyterlab(tmp_path):
             # no language-server detection: it runs `npm prefix -g`, which writes to ~/.npm/_logs
             "--LanguageServerManager.autodetect=False",
         ],
-        env=env, cwd=dirs["root"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        env=env, cwd=dirs["root"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     server = Server(f"http://127.0.0.1:{port}", token, dirs["root"], dirs["runtime"], proc)
+    listening = threading.Event()
+    log_path = tmp_path / "jupyterlab.log"
+    threading.Thread(target=copy_log, args=(proc, log_path, f"127.0.0.1:{port}/lab", listening), daemon=True).start()
     try:
-        wait_ready(server, tmp_path / "jupyterlab.log")
+        wait_ready(server, listening, log_path)
         yield server
     finally:
         stop_server(server)
-        log.close()
 
 
-def wait_ready(server: Server, log_path: Path, timeout: float = 90.0) -> None:
-    """Readiness probe: poll `/api/status` until it answers (bounded)."""
+def copy_log(proc: subprocess.Popen, log_path: Path, marker: str, listening: threading.Event) -> None:
+    """Copy JupyterLab's output to a log; set `listening` once it prints its URL (or exits)."""
+    with open(log_path, "wb") as log:
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            if marker.encode() in line:
+                listening.set()
+    listening.set()
+
+
+def wait_ready(server: Server, listening: threading.Event, log_path: Path, timeout: float = 90.0) -> None:
+    """Until JupyterLab answers `/api/status`.
+
+    It prints its URL (the barrier) a moment before it binds the port (the bind is a callback on
+    its event loop), so a short, bounded readiness probe covers that last gap.
+    """
     deadline = time.monotonic() + timeout
+    if not listening.wait(timeout) or server.proc.poll() is not None:
+        pytest.fail(f"JupyterLab is not serving after {timeout} s:\n{log_path.read_text()[-3000:]}")
     while True:
-        if server.proc.poll() is not None:
-            pytest.fail(f"JupyterLab exited with {server.proc.returncode}:\n{log_path.read_text()[-3000:]}")
         try:
             server.api("GET", "/api/status")
             return
         except (OSError, urllib.error.URLError):
             if time.monotonic() > deadline:
                 pytest.fail(f"JupyterLab did not answer within {timeout} s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
+            time.sleep(0.05)  # readiness probe of a third-party server, not a test step
 
 
 def stop_server(server: Server) -> None:
@@ -232,13 +249,15 @@ def wait_for_kernel(page, server: Server, timeout: float = 120.0) -> None:
     from playwright.sync_api import expect
 
     expect(page.locator(".jp-StatusBar-Widget")).to_contain_text("Python 3 (ipykernel) | Idle")
-    deadline = time.monotonic() + timeout
-    while not any(
-        s["path"] == NOTEBOOK.name and s["kernel"]["execution_state"] == "idle" and s["kernel"]["connections"] > 0
-        for s in server.api("GET", "/api/sessions")
-    ):
-        assert time.monotonic() < deadline, f"the notebook's kernel was not ready within {timeout} s"
-        time.sleep(0.2)
+    page.wait_for_function(
+        """async ([name, token]) => {
+            const response = await fetch(`/api/sessions?token=${token}`);
+            const sessions = await response.json();
+            return sessions.some(s => s.path === name && s.kernel.execution_state === "idle"
+                                      && s.kernel.connections > 0);
+        }""",
+        arg=[NOTEBOOK.name, server.token], polling=200, timeout=timeout * 1000,
+    )
     expect(page.locator(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator")).to_have_attribute("data-status", "idle")
 
 
