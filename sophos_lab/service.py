@@ -109,7 +109,9 @@ class AgentService:
         self.active: dict[str, ActiveRun] = {}
         self.accepting = True
         self._graph = None
+        self._saver = None
         self._saver_conn = None
+        self._opening = asyncio.Lock()
 
     async def open(self) -> None:
         """Open the database (running recovery) and build the graph now, not on first use."""
@@ -163,8 +165,8 @@ class AgentService:
         self._check_idle(conversation_id)
         await self._graph_ready()
         if new:
-            self.store.create_conversation(conversation_id, message)
-        return self._launch(conversation_id, {"messages": [HumanMessage(message)]}, resume=False)
+            await self._write(self.store.create_conversation, conversation_id, message)
+        return await self._launch(conversation_id, {"messages": [HumanMessage(message)]}, resume=False)
 
     async def resume(self, conversation: object) -> ActiveRun:
         """Start a run that continues the thread from its latest checkpoint."""
@@ -174,7 +176,7 @@ class AgentService:
         state = await (await self._graph_ready()).aget_state(thread_config(conversation_id))
         if not state.next:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")
-        return self._launch(conversation_id, None, resume=True)
+        return await self._launch(conversation_id, None, resume=True)
 
     async def ask(self, message: str, conversation: str | None = None) -> Event:
         """Start a chat run and wait for its final event (handy in a notebook cell)."""
@@ -230,27 +232,40 @@ class AgentService:
 
     async def _graph_ready(self):
         """The compiled graph; opens the store first, so recovery precedes any thread read."""
-        if self._graph is None:
-            import aiosqlite
-            from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
-
-            self.store.conn  # noqa: B018 - the first open runs migrations and recovery
-            conn = await aiosqlite.connect(self.settings.database_path)
-            await conn.execute("PRAGMA busy_timeout = 5000")
-            saver = AsyncSqliteSaver(conn)
-            await saver.setup()
-            model = chat_model(self.settings)  # once: building a client costs ~40 ms (TLS context)
-            parts = AgentParts(
-                model=lambda: model,
-                tools=self.tools.get,
-                system_prompt=lambda: read_system_prompt(self.settings),
-            )
-            self._saver_conn, self._graph = conn, build_graph(parts, saver)
+        async with self._opening:  # concurrent first callers must not open two savers
+            if self._graph is None:
+                await self._build_graph()
         return self._graph
 
-    def _launch(self, conversation_id: str, graph_input: Any, resume: bool) -> ActiveRun:
+    async def _build_graph(self) -> None:
+        import aiosqlite
+        from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+        self.store.conn  # noqa: B018 - the first open runs migrations and recovery
+        conn = await aiosqlite.connect(self.settings.database_path)
+        await conn.execute("PRAGMA busy_timeout = 5000")
+        saver = AsyncSqliteSaver(conn)
+        await saver.setup()
+        model = chat_model(self.settings)  # once: building a client costs ~40 ms (TLS context)
+        parts = AgentParts(
+            model=lambda: model,
+            tools=self.tools.get,
+            system_prompt=lambda: read_system_prompt(self.settings),
+        )
+        self._saver_conn, self._saver, self._graph = conn, saver, build_graph(parts, saver)
+
+    async def _write(self, write: Any, *args: Any) -> None:
+        """Run an app-table write on the loop, outside any transaction of the saver.
+
+        The saver holds its lock from its INSERT to its commit, and needs the loop in between;
+        a synchronous write that waited on SQLite's lock meanwhile would block that very loop.
+        """
+        async with self._saver.lock:
+            write(*args)
+
+    async def _launch(self, conversation_id: str, graph_input: Any, resume: bool) -> ActiveRun:
         run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume)
-        self.store.start_run(run.id, conversation_id)
+        await self._write(self.store.start_run, run.id, conversation_id)
         self.active[conversation_id] = run
         run.publish("started", {"conversation": conversation_id, "run": run.id, "resume": resume})
         run.task = asyncio.create_task(self._execute(run, self._graph, graph_input))
@@ -286,7 +301,13 @@ class AgentService:
         try:
             if count is None:
                 count = await self._message_count(graph, run.conversation)
-            self.store.finish_run(run.id, status, count, *(error or (None, None)))
+            record = asyncio.ensure_future(
+                self._write(self.store.finish_run, run.id, status, count, *(error or (None, None)))
+            )
+            try:
+                await asyncio.shield(record)
+            except asyncio.CancelledError:  # a late shutdown cancel: let the write under way finish
+                await record
         except Exception:
             # The row stays `running`; the next process relabels it `interrupted`.
             log.exception("could not record the outcome of run %s", run.id)
@@ -301,6 +322,6 @@ class AgentService:
     async def _message_count(self, graph: Any, conversation_id: str) -> int | None:
         try:
             state = await graph.aget_state(thread_config(conversation_id))
-        except Exception:
+        except (Exception, asyncio.CancelledError):  # a late shutdown cancel must not skip the record
             return None
         return len(message_dtos(state.values.get("messages", [])))

@@ -234,20 +234,23 @@ class McpTools:
                 await asyncio.wait_for(host, timeout=10)
 
     async def _serve(self, ready: asyncio.Future, stop: asyncio.Event) -> None:
-        """Start every server at once, each in a task of its own; serve until `stop`."""
+        """Start every server at once, each in a task of its own; serve until `stop`.
+
+        Whatever happens, `ready` gets an answer: a waiting run must never hang on it.
+        """
+        hosts: list[asyncio.Task] = []
         try:
             servers = load_mcp_config(self.settings.mcp_config_path, {**os.environ, **kit_variables(self.settings)})
-        except SophosError as error:
-            ready.set_exception(ToolsUnavailable(error.message))
-            return
-        found = [asyncio.get_running_loop().create_future() for _ in servers]
-        hosts = [asyncio.create_task(self._serve_one(s, f, stop)) for s, f in zip(servers, found)]
-        try:
+            found = [asyncio.get_running_loop().create_future() for _ in servers]
+            hosts = [asyncio.create_task(self._serve_one(s, f, stop)) for s, f in zip(servers, found)]
             results = await asyncio.gather(*found)
-        except ToolsUnavailable as error:
+        except BaseException as error:
             stop.set()  # close what did start before saying so: the caller may retry at once
             await asyncio.gather(*hosts, return_exceptions=True)
-            ready.set_exception(error)
+            if not ready.done():
+                ready.set_exception(_unavailable(error))
+            if isinstance(error, asyncio.CancelledError):
+                raise
             return
         ready.set_result([tool for tools in results for tool in tools])
         await asyncio.gather(*hosts, return_exceptions=True)
@@ -257,10 +260,11 @@ class McpTools:
         try:
             with self._errlog(server.name) as errlog:
                 async with contextlib.AsyncExitStack() as stack:
-                    session = await asyncio.wait_for(
-                        stack.enter_async_context(open_session(server, errlog)), DISCOVERY_TIMEOUT
-                    )
-                    tools = await asyncio.wait_for(discover_tools(session, server.name), DISCOVERY_TIMEOUT)
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for runs the coroutine in
+                    # another task, and the MCP client's cancel scopes must stay in this one.
+                    async with asyncio.timeout(DISCOVERY_TIMEOUT):
+                        session = await stack.enter_async_context(open_session(server, errlog))
+                        tools = await discover_tools(session, server.name)
                     found.set_result(tools)
                     await stop.wait()
         except BaseException as error:  # anyio wraps failures in exception groups
@@ -277,6 +281,15 @@ class McpTools:
             return contextlib.nullcontext(sys.__stderr__)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return open(self.log_dir / f"mcp-{server_name}.log", "a", encoding="utf-8")
+
+
+def _unavailable(error: BaseException) -> ToolsUnavailable:
+    """Any discovery failure as the one exception the agent node expects."""
+    if isinstance(error, ToolsUnavailable):
+        return error
+    if isinstance(error, SophosError):
+        return ToolsUnavailable(error.message)
+    return ToolsUnavailable(f"MCP tools unavailable: {_describe(error)}")
 
 
 def _describe(error: BaseException) -> str:

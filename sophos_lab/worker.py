@@ -64,6 +64,7 @@ class ChildRuntime:
         self.service = AgentService(settings, log_dir=Path(log_dir) if log_dir else None)
         self.emit = emit
         self.shutdown_requested = False
+        self._following = 0
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def install_signal_handlers(self) -> None:
@@ -87,16 +88,20 @@ class ChildRuntime:
 
     async def _follow(self, start: Callable, command: str) -> dict[str, Any] | None:
         self._loop = asyncio.get_running_loop()
+        self._following += 1
+        final = None
         try:
             run: ActiveRun = await start()
+            async for event in run.events():
+                final = event.to_dict()
+                self.emit(final)
         except SophosError as error:
             self.emit({"event": "rejected", "data": {**error.to_dict(), "cmd": command}})
-            return None
-        final = None
-        async for event in run.events():
-            final = event.to_dict()
-            self.emit(final)
-        if self.shutdown_requested and not self.service.active:
+        except Exception as error:  # never leave the parent waiting for an answer
+            self.emit({"event": "rejected", "data": {"code": "AGENT_FAILURE", "message": str(error), "cmd": command}})
+        finally:
+            self._following -= 1
+        if self.shutdown_requested and self._following == 0:
             await self._exit()
         return final
 
@@ -106,7 +111,9 @@ class ChildRuntime:
         self.emit({"event": "shutdown-requested", "data": {
             "naive": naive, "active_runs": [run.id for run in self.service.active.values()],
         }})
-        if not self.service.active or self._loop is None:
+        # Exit at once only when no command is being followed: otherwise the last one to finish
+        # exits, after its final event is out (see _follow).
+        if self._following == 0 or self._loop is None:
             self.service.store.close()
             self.emit({"event": "exited", "data": {"reason": "sigterm"}})
             os._exit(0)
