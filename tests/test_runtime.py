@@ -261,3 +261,25 @@ async def test_the_outcome_is_on_disk_before_the_end_event(open_service, db_path
                 on_disk = list(peek_runs(db_path, run.conversation)["status"])
 
     assert on_disk == ["completed"]
+
+
+async def test_concurrent_first_use_opens_one_saver_and_closing_releases_the_file(open_service, db_path):
+    import psutil
+
+    me = psutil.Process()
+
+    def handles() -> int:
+        return sum(1 for f in me.open_files() if f.path == str(db_path))
+
+    async with open_service() as agent:
+        await asyncio.gather(agent.open(), agent.open(), agent.open())
+        assert handles() == 2, "one connection for the app tables, one for the saver"
+    assert handles() == 0, "a connection was left open after aclose()"
+
+
+async def test_two_runs_in_one_process_both_record_their_outcome(open_service):
+    async with open_service() as agent:
+        runs = [await agent.chat("Hello from the first"), await agent.chat("Hello from the second")]
+        finals = await asyncio.gather(*(run.wait() for run in runs))
+        assert [f.event for f in finals] == ["end", "end"]
+        assert {r.status for r in agent.list_runs()} == {"completed"}
