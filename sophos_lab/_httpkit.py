@@ -202,7 +202,12 @@ def call(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int
             return err.code, json.load(err)
 
 
-def long_poll(url: str, key: str, timeout: float) -> str | None:
-    """Ask a wait endpoint for up to ``timeout`` seconds; the held name or None."""
+def long_poll(url: str, key: str, timeout: float, nothing: str) -> str:
+    """Ask a wait endpoint for up to ``timeout`` seconds; the held name.
+
+    Raises TimeoutError, with ``nothing`` saying what did not happen, when nothing was held.
+    """
     _, body = call(f"{url}?timeout={timeout}", timeout=timeout + 10)
+    if body[key] is None:
+        raise TimeoutError(f"{nothing} within {timeout} s")
     return body[key]

@@ -231,8 +231,8 @@ class ChatViewModel:
         self._start(lambda: self.backend.resume(conversation))
         return True
 
-    def select(self, conversation_id: str) -> bool:
-        """Open a conversation (False while a turn is running)."""
+    def select(self, conversation_id: str | None) -> bool:
+        """Open a conversation, or none (False while a turn is running)."""
         with self._lock:
             if self.busy:
                 return False
@@ -243,13 +243,7 @@ class ChatViewModel:
 
     def new_conversation(self) -> bool:
         """Start afresh: the next Send creates a conversation (False while a turn is running)."""
-        with self._lock:
-            if self.busy:
-                return False
-            self.conversation_id = None
-            self.error = None
-        self.reload()
-        return True
+        return self.select(None)
 
     def reload(self) -> None:
         """Read the conversation list and the open conversation from durable state.

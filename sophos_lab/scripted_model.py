@@ -478,13 +478,11 @@ class ScriptedModelControl:
 
     def wait_paused(self, timeout: float = 10.0) -> str:
         """Block until a stream is held at a pause point; return that point's name."""
-        paused = long_poll(f"{self.url}/_scripted/wait_paused", "paused", timeout)
-        if paused is None:
-            raise TimeoutError(
-                f"no stream reached an armed pause point within {timeout} s "
-                "(was the pause armed, and does the script's turn name it?)"
-            )
-        return paused
+        return long_poll(
+            f"{self.url}/_scripted/wait_paused", "paused", timeout,
+            "no stream reached an armed pause point (was the pause armed, and does the script's "
+            "turn name it?)",
+        )
 
     def release(self) -> int:
         """Let every held stream finish; return how many were held."""

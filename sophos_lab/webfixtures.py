@@ -168,13 +168,10 @@ class WebFixturesControl:
 
     def wait_held(self, timeout: float = 10.0) -> str:
         """Block until a request is being held; return its path."""
-        held = long_poll(f"{self.url}/_fixtures/wait_held", "held", timeout)
-        if held is None:
-            raise TimeoutError(
-                f"no request reached a held path within {timeout} s "
-                "(was hold() called with the exact path, e.g. '/wal.html'?)"
-            )
-        return held
+        return long_poll(
+            f"{self.url}/_fixtures/wait_held", "held", timeout,
+            "no request reached a held path (was hold() called with the exact path, e.g. '/wal.html'?)",
+        )
 
     def release(self) -> int:
         """Answer every held request; return how many there were."""
