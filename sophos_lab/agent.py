@@ -26,8 +26,9 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
 from . import errors
+from .errors import SophosError
 from .settings import Settings
-from .tools import model_facing, with_idempotency_key
+from .tools import mcp_servers, model_facing, read_config_file, with_idempotency_key
 
 DEFAULT_SYSTEM_PROMPT = "You are an AI assistant with access to MCP tools."
 _MODEL_NOT_FOUND = re.compile(r"model .* not found", re.IGNORECASE)
@@ -49,10 +50,20 @@ class AgentParts:
 def read_system_prompt(settings: Settings) -> str:
     """`CONFIG_DIR/system.md`, read on every model call; an empty file means the default prompt.
 
-    A missing file raises, which fails the run with the path in the message.
+    A file that is missing, unreadable or not UTF-8 raises `CONFIG_ERROR` with the path in the
+    message, which fails the run.
     """
-    text = settings.system_prompt_path.read_text(encoding="utf-8").strip()
+    text = read_config_file(settings.system_prompt_path, "System prompt").strip()
     return text or DEFAULT_SYSTEM_PROMPT
+
+
+def check_config(settings: Settings) -> None:
+    """Check `mcp.json` and `system.md` as a run reads them; a bad one raises `CONFIG_ERROR` naming it.
+
+    It starts no MCP server and calls no model, so a run can be refused before anything is written.
+    """
+    mcp_servers(settings)
+    read_system_prompt(settings)
 
 
 def chat_model(settings: Settings) -> BaseChatModel:
@@ -111,6 +122,8 @@ def classify_error(error: BaseException) -> tuple[str, str]:
         return errors.RECURSION_LIMIT, errors.RECURSION_LIMIT_MESSAGE
     if isinstance(error, ModelUnavailable):
         return errors.MODEL_UNAVAILABLE, errors.MODEL_UNAVAILABLE_MESSAGE
+    if isinstance(error, SophosError):  # e.g. a CONFIG_ERROR met while the run was under way
+        return error.code, error.message
     return errors.AGENT_FAILURE, str(error) or type(error).__name__ or "Agent failed"
 
 

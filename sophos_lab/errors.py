@@ -1,7 +1,9 @@
 """Error codes and the exception that carries them.
 
 Run outcomes use `AGENT_FAILURE`, `MODEL_UNAVAILABLE`, `RECURSION_LIMIT` (as in the original) and
-`SHUTDOWN` (the kit's honest cause for a run stopped by a graceful shutdown). Requests that are
+`SHUTDOWN` (the kit's honest cause for a run stopped by a graceful shutdown). `OWNERSHIP_LOST`
+ends a run in a process that another process has taken the run from; it is never recorded,
+because the new owner's record is the one that stands. Requests that are
 refused before a run starts use `BAD_REQUEST`, `NOT_FOUND`, `SESSION_IN_PROGRESS` and
 `RUN_NOT_RESUMABLE`; a database the code cannot use raises `SCHEMA_TOO_NEW` or `CONFIG_ERROR`.
 """
@@ -14,6 +16,7 @@ AGENT_FAILURE = "AGENT_FAILURE"
 MODEL_UNAVAILABLE = "MODEL_UNAVAILABLE"
 RECURSION_LIMIT = "RECURSION_LIMIT"
 SHUTDOWN = "SHUTDOWN"
+OWNERSHIP_LOST = "OWNERSHIP_LOST"
 
 BAD_REQUEST = "BAD_REQUEST"
 NOT_FOUND = "NOT_FOUND"
@@ -25,6 +28,10 @@ CONFIG_ERROR = "CONFIG_ERROR"
 RECURSION_LIMIT_MESSAGE = "The agent reached its step limit (AGENT_RECURSION_LIMIT) without finishing."
 MODEL_UNAVAILABLE_MESSAGE = "The configured Ollama model is not available."
 SHUTDOWN_MESSAGE = "The process shut down before the run finished; its progress is saved."
+OWNERSHIP_LOST_MESSAGE = (
+    "Another process took this run over: this one stopped renewing its lease (frozen or hung) and "
+    "was presumed dead. It wrote nothing after that; the conversation continues where the other left it."
+)
 
 
 @dataclass

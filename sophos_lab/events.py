@@ -6,10 +6,18 @@ The names and payloads follow the original system's wire contract:
 (`{code, message, conversation, run}`). The kit adds `reasoning` (the model's thinking, kept
 apart from `token` so the stream and the record agree) and `started` (`{conversation, run,
 resume}`), the first event of every run.
+
+Persist, then notify: an event that reports a finished step (`leave`, and the `call` and
+`result` facts read from the step's output) is published only once the checkpoint holding that
+step's writes is committed; `DurableGate` holds it until then. So a client that saw `leave` for
+step N knows a resume will not run step N again. `token` and `reasoning` events stream live,
+before anything is saved: streaming is not persistence, and a kill mid-answer loses those tokens.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +26,9 @@ from langchain_core.messages import AIMessage, AIMessageChunk, ToolMessage
 from .messages import content_text, message_dtos
 
 TERMINAL_EVENTS = ("end", "chat-error")
+
+Item = tuple[str, Any, "int | None"]
+"""`(event, data, step)`: `step` is the step whose checkpoint must be saved first, or None (live)."""
 
 
 @dataclass(frozen=True)
@@ -38,14 +49,14 @@ class Event:
 
 @dataclass
 class StreamTranslator:
-    """Turns `astream(stream_mode=["messages", "debug"])` items into `(event, data)` pairs."""
+    """Turns `astream(stream_mode=["messages", "debug"])` items into `(event, data, step)`."""
 
     model_name: str
     message_count: int | None = None
     """Messages in the latest checkpoint seen on the stream (None before the first)."""
     _open: dict[str, Any] | None = field(default=None)
 
-    def feed(self, mode: str, chunk: Any) -> list[tuple[str, Any]]:
+    def feed(self, mode: str, chunk: Any) -> list[Item]:
         if mode == "messages":
             return self._message(*chunk)
         if mode == "debug" and chunk["type"] == "task":
@@ -57,26 +68,26 @@ class StreamTranslator:
             self.message_count = len(message_dtos(values.get("messages", [])))
         return []
 
-    def finish(self) -> list[tuple[str, Any]]:
+    def finish(self) -> list[Item]:
         """A final `leave` if the stream stopped inside a step (a failure or a drain)."""
         if self._open is None:
             return []
         note, self._open = {**self._open, "event": "leave"}, None
-        return [("trace", note)]
+        return [("trace", note, note["step"])]
 
-    def _message(self, message: Any, metadata: dict) -> list[tuple[str, Any]]:
+    def _message(self, message: Any, metadata: dict) -> list[Item]:
         if metadata.get("langgraph_node") != "agent" or not isinstance(message, AIMessageChunk):
             return []
-        out: list[tuple[str, Any]] = []
+        out: list[Item] = []
         reasoning = message.additional_kwargs.get("reasoning_content")
         if reasoning:
-            out.append(("reasoning", reasoning))
+            out.append(("reasoning", reasoning, None))
         text = content_text(message.content)
         if text:
-            out.append(("token", text))
+            out.append(("token", text, None))
         return out
 
-    def _enter(self, step: int, payload: dict) -> list[tuple[str, Any]]:
+    def _enter(self, step: int, payload: dict) -> list[Item]:
         node = payload["name"]
         name = self.model_name if node == "agent" else ""
         if node == "tools":
@@ -85,10 +96,10 @@ class StreamTranslator:
             name = ", ".join(call["name"] for call in calls)
         out = self.finish()
         self._open = {"step": step, "node": node, "name": name}
-        return out + [("trace", {**self._open, "event": "enter"})]
+        return out + [("trace", {**self._open, "event": "enter"}, None)]
 
-    def _leave(self, step: int, payload: dict) -> list[tuple[str, Any]]:
-        out: list[tuple[str, Any]] = []
+    def _leave(self, step: int, payload: dict) -> list[Item]:
+        out: list[Item] = []
         result = payload.get("result") or {}
         messages = result.get("messages", []) if isinstance(result, dict) else []
         for message in messages:
@@ -97,7 +108,7 @@ class StreamTranslator:
                     out.append(("trace", {
                         "step": step, "node": "tools", "name": self.model_name, "event": "call",
                         "data": {"name": call["name"], "arguments": call["args"], "tool_call_id": call["id"]},
-                    }))
+                    }, step))
             elif isinstance(message, ToolMessage) and message.name and message.tool_call_id:
                 out.append(("trace", {
                     "step": step, "node": "tools", "name": message.name, "event": "result",
@@ -107,9 +118,53 @@ class StreamTranslator:
                         "result": content_text(message.content),
                         "status": message.status or "success",
                     },
-                }))
+                }, step))
         note = {"step": step, "node": payload["name"], "name": (self._open or {}).get("name", ""), "event": "leave"}
         if payload.get("error"):
             note["data"] = {"error": str(payload["error"])}
         self._open = None
-        return out + [("trace", note)]
+        return out + [("trace", note, step)]
+
+
+class DurableGate:
+    """Publishes events in order, holding each step fact until its step's checkpoint is saved.
+
+    `saved(step)` is called by the saver once a checkpoint of that step is committed; anything
+    offered after a held fact waits behind it, so the order of events never changes.
+    """
+
+    def __init__(self, publish: Callable[[str, Any], Any]) -> None:
+        self._publish = publish
+        self._held: deque[Item] = deque()
+        self.saved_step: int | None = None
+        """The step of the latest checkpoint this run saved (None before the first)."""
+
+    def offer(self, name: str, data: Any, step: int | None) -> None:
+        self._held.append((name, data, step))
+        self._release()
+
+    def saved(self, step: int) -> None:
+        self.saved_step = step if self.saved_step is None else max(self.saved_step, step)
+        self._release()
+
+    def flush(self) -> None:
+        """At the end of a run, once its outcome is recorded: publish what is still held.
+
+        A fact whose checkpoint never got saved (the step failed, or was cut off) did not
+        happen durably: its `call`/`result` facts are dropped (a resume makes them again) and
+        its `leave` goes out marked `saved: False`.
+        """
+        while self._held:
+            name, data, step = self._held.popleft()
+            if self._is_saved(step):
+                self._publish(name, data)
+            elif data.get("event") == "leave":
+                self._publish(name, {**data, "saved": False})
+
+    def _is_saved(self, step: int | None) -> bool:
+        return step is None or (self.saved_step is not None and step <= self.saved_step)
+
+    def _release(self) -> None:
+        while self._held and self._is_saved(self._held[0][2]):
+            name, data, _ = self._held.popleft()
+            self._publish(name, data)

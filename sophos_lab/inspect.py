@@ -4,6 +4,7 @@ Everything here opens the file read-only and never goes through `Store`, so look
 triggers crash recovery: a run left `running` by a killed process still reads `running` here
 until the next runtime opens the file. Checkpoints are read through LangGraph (the sync saver on
 the read-only connection and a graph built for reading), never by decoding tables by hand.
+A conversation id is checked as the service checks it: anything else is a `BAD_REQUEST`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pandas as pd
 
 from .export import checkpoint_record
 from .messages import message_dtos
-from .service import thread_config
+from .service import parse_conversation_id, thread_config
 
 RUN_COLUMNS = ["id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at"]
 CONVERSATION_COLUMNS = ["id", "title", "created_at", "updated_at", "message_count"]
@@ -65,8 +66,13 @@ def _query(db_path: str | Path, table: str, sql: str, params: tuple, columns: li
 
 
 def peek_runs(db_path: str | Path, conversation: str | None = None) -> pd.DataFrame:
-    """The runs table as it is on disk (what `sqlite3 $DB "SELECT ..."` shows), in start order."""
-    where, params = ("WHERE conversation_id = ?", (conversation,)) if conversation else ("", ())
+    """The runs table as it is on disk (what `sqlite3 $DB "SELECT ..."` shows), in start order.
+
+    All runs when `conversation` is None; otherwise it must be a conversation id.
+    """
+    where, params = ("", ())
+    if conversation is not None:
+        where, params = "WHERE conversation_id = ?", (parse_conversation_id(conversation),)
     return _query(
         db_path, "runs", f"SELECT * FROM runs {where} ORDER BY started_at, rowid", params, RUN_COLUMNS
     )
@@ -91,6 +97,7 @@ def _history(db_path: str | Path, conversation: str) -> list[Any]:
 
     from .agent import build_graph
 
+    conversation = parse_conversation_id(conversation)
     with read_only(db_path) as conn:
         if conn is None or not _has_table(conn, "checkpoints"):
             return []
@@ -123,6 +130,7 @@ def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
     """The `writes` table of the thread: what each task wrote, including `__error__`."""
     from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
+    conversation = parse_conversation_id(conversation)
     serde = JsonPlusSerializer()
     steps = {row["checkpoint_id"]: row["step"] for _, row in checkpoints(db_path, conversation).iterrows()}
     with read_only(db_path) as conn:
@@ -177,6 +185,7 @@ def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
 
     `resumable` here is `next` non-empty and no run of this conversation recorded `running`.
     """
+    conversation = parse_conversation_id(conversation)  # None would read every run
     runs = peek_runs(db_path, conversation)
     history = _history(db_path, conversation)
     last = checkpoint_record(history[-1]) if history else None
@@ -202,6 +211,7 @@ def timeline(db_path: str | Path, conversation: str):
     import matplotlib.pyplot as plt
 
     colours = {"completed": "tab:green", "failed": "tab:red", "interrupted": "tab:orange", "running": "tab:blue"}
+    conversation = parse_conversation_id(conversation)  # before a figure is made
     runs = peek_runs(db_path, conversation)
     points = checkpoints(db_path, conversation)
     origin = pd.Timestamp(runs["started_at"].iloc[0]).timestamp() if len(runs) else 0.0

@@ -201,6 +201,9 @@ class ScriptedModelServer(ThreadingHTTPServer):
     """The HTTP server, holding the scripts, request log and pause points."""
 
     daemon_threads = True
+    # socketserver's default backlog is 5: a cold service starting 20 runs at once overflowed
+    # it, and the kernel reset the connections it could not queue (httpx.ReadError).
+    request_queue_size = 128
 
     def __init__(
         self,

@@ -1,9 +1,20 @@
 """The run lifecycle: start, stream, record, resume, and shut down honestly.
 
-A run is one attempt to advance a conversation's thread. Its `running` row is written before
-the graph starts; its outcome and the conversation's message count are written in one
-transaction before the final event is published (persist, then notify). A resume is a new run
-that streams `None` on the same thread, so LangGraph runs only the nodes in `next`.
+A run is one attempt to advance a conversation's thread. Persist, then notify, at every step:
+
+- The `running` row is written before the graph starts, in one transaction with the user's
+  message (`runs.input`) and, for a new conversation, the conversation itself. Only then is
+  `started` published and `chat()` returns: an accepted message is on disk before anyone is told.
+- A finished step is reported (`leave`, `call`, `result`) only once its checkpoint is saved.
+- The outcome and the message count are written in one transaction before the final event.
+
+A resume is a new run on the same thread. If the latest run's message never reached the thread
+(the process died before LangGraph's first checkpoint), the resume enters that same message,
+with the same id; otherwise it streams `None`, so LangGraph runs only the nodes in `next`.
+
+Runs belong to the process that started them (see `ownership`): it renews a lease while it has
+runs, another process relabels the run only once its owner is gone, and a process that lost a
+run writes nothing more (the saver's fence and the outcome's `owner_id` check).
 """
 
 from __future__ import annotations
@@ -21,9 +32,10 @@ from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
 
 from . import errors
-from .agent import AgentParts, build_graph, chat_model, classify_error, read_system_prompt
+from .agent import AgentParts, build_graph, chat_model, check_config, classify_error, read_system_prompt
+from .checkpointer import NotifyingSaver, is_fenced
 from .errors import SophosError
-from .events import Event, StreamTranslator
+from .events import DurableGate, Event, StreamTranslator
 from .export import checkpoint_jsonl, markdown_transcript
 from .messages import message_dtos
 from .settings import Settings
@@ -32,14 +44,32 @@ from .tools import McpTools
 
 log = logging.getLogger(__name__)
 
-_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[1-5][0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$", re.I)
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[1-5][0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", re.I)
 
 
 def parse_conversation_id(value: object) -> str:
     """A conversation id: a UUID (versions 1-5), normalised to lower case."""
-    if not isinstance(value, str) or not _UUID.match(value):
+    if not isinstance(value, str) or not _UUID.fullmatch(value):
         raise SophosError(errors.BAD_REQUEST, f"Invalid Conversation ID: {value!r}")
     return value.lower()
+
+
+def parse_message(value: object) -> str:
+    """A user message: text that is not blank and that UTF-8 can store exactly as it is.
+
+    A lone surrogate (`"\\ud800"`) has no UTF-8 form: storing it would alter the message.
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise SophosError(errors.BAD_REQUEST, "A message is required (it may not be empty).")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise SophosError(
+            errors.BAD_REQUEST,
+            f"The message is not valid Unicode: a lone surrogate {value[error.start]!r} at "
+            f"position {error.start}. Nothing was stored.",
+        ) from None
+    return value
 
 
 def thread_config(conversation_id: str) -> dict[str, Any]:
@@ -66,6 +96,8 @@ class ActiveRun:
     control: RunControl = field(default_factory=RunControl)
     buffer: list[Event] = field(default_factory=list)
     task: asyncio.Task | None = None
+    lost: bool = False
+    """Another process took the run over (this process's lease ran out)."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, name: str, data: Any) -> Event:
@@ -104,14 +136,19 @@ class AgentService:
 
     def __init__(self, settings: Settings | None = None, log_dir: Path | None = None) -> None:
         self.settings = settings or Settings.from_env()
-        self.store = Store(self.settings.database_path)
+        self.store = Store(
+            self.settings.database_path,
+            lease_seconds=self.settings.lease_seconds,
+            single_owner=self.settings.single_owner,
+        )
         self.tools = McpTools(self.settings, log_dir=log_dir)
         self.active: dict[str, ActiveRun] = {}
         self.accepting = True
         self._graph = None
-        self._saver = None
+        self._saver: NotifyingSaver | None = None
         self._saver_conn = None
         self._opening = asyncio.Lock()
+        self._lease_keeper: asyncio.Task | None = None
 
     async def open(self) -> None:
         """Open the database (running recovery) and build the graph now, not on first use."""
@@ -120,6 +157,9 @@ class AgentService:
     # reading
 
     def list_conversations(self) -> list[Conversation]:
+        if not self.active:
+            # With no run of ours writing, a synchronous write cannot wait on our own saver.
+            self.store.recover()
         return self.store.list_conversations()
 
     def list_runs(self, conversation: str | None = None) -> list[Run]:
@@ -128,13 +168,20 @@ class AgentService:
     async def get_conversation(self, conversation: str) -> ConversationDetail:
         """The conversation, its messages and whether it can be resumed. Reads only SQLite."""
         summary = self._existing(conversation)
-        state = await (await self._graph_ready()).aget_state(thread_config(summary.id))
-        messages = message_dtos(state.values.get("messages", []))
+        graph = await self._graph_ready()
+        if await self._write(self.store.recover, summary.id):
+            summary = self._existing(summary.id)
+        state = await graph.aget_state(thread_config(summary.id))
+        pending = self._pending_input(summary.id, state)
+        messages = message_dtos(state.values.get("messages", [])) + [
+            {"id": m["id"], "role": "user", "content": m["content"], "pending": True} for m in pending
+        ]
+        busy = summary.id in self.active or summary.status == "running"
         return ConversationDetail(
             conversation=summary,
             messages=messages,
             next=tuple(state.next),
-            resumable=bool(state.next) and summary.id not in self.active,
+            resumable=bool(state.next or pending) and not busy,
         )
 
     async def state_history(self, conversation: str) -> list[Any]:
@@ -156,27 +203,31 @@ class AgentService:
     async def chat(self, message: object, conversation: object = None) -> ActiveRun:
         """Start a run with a new user message, in a new conversation unless one is given."""
         self._check_accepting()
-        if not isinstance(message, str) or not message.strip():
-            raise SophosError(errors.BAD_REQUEST, "A message is required (it may not be empty).")
+        text = parse_message(message)
         if conversation is None:
             conversation_id, new = str(uuid.uuid4()), True
         else:
             conversation_id, new = self._existing(conversation).id, False
         self._check_idle(conversation_id)
-        await self._graph_ready()
-        if new:
-            await self._write(self.store.create_conversation, conversation_id, message)
-        return await self._launch(conversation_id, {"messages": [HumanMessage(message)]}, resume=False)
+        check_config(self.settings)  # a bad mcp.json or system.md is refused with nothing written
+        graph = await self._graph_ready()
+        # A message accepted earlier that never reached the thread goes first: nothing is dropped.
+        carried = [] if new else self._pending_input(
+            conversation_id, await graph.aget_state(thread_config(conversation_id)))
+        messages = [*carried, {"id": str(uuid.uuid4()), "content": text}]
+        return await self._launch(conversation_id, messages, resume=False, title=text if new else None)
 
     async def resume(self, conversation: object) -> ActiveRun:
         """Start a run that continues the thread from its latest checkpoint."""
         self._check_accepting()
         conversation_id = self._existing(conversation).id
         self._check_idle(conversation_id)
+        check_config(self.settings)
         state = await (await self._graph_ready()).aget_state(thread_config(conversation_id))
-        if not state.next:
+        pending = self._pending_input(conversation_id, state)
+        if not state.next and not pending:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")
-        return await self._launch(conversation_id, None, resume=True)
+        return await self._launch(conversation_id, pending, resume=True)
 
     async def ask(self, message: str, conversation: str | None = None) -> Event:
         """Start a chat run and wait for its final event (handy in a notebook cell)."""
@@ -207,6 +258,8 @@ class AgentService:
 
     async def aclose(self) -> None:
         """Close MCP servers and database connections now, whatever is running."""
+        if self._lease_keeper is not None:
+            self._lease_keeper.cancel()
         await self.tools.aclose()
         conn, self._saver_conn, self._graph = self._saver_conn, None, None
         if conn is not None:
@@ -239,13 +292,14 @@ class AgentService:
 
     async def _build_graph(self) -> None:
         import aiosqlite
-        from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
         self.store.conn  # noqa: B018 - the first open runs migrations and recovery
         conn = await aiosqlite.connect(self.settings.database_path)
         await conn.execute("PRAGMA busy_timeout = 5000")
-        saver = AsyncSqliteSaver(conn)
+        saver = NotifyingSaver(conn)
         await saver.setup()
+        if not self.settings.single_owner:
+            await saver.fence(self.store.owner.id)
         model = chat_model(self.settings)  # once: building a client costs ~40 ms (TLS context)
         parts = AgentParts(
             model=lambda: model,
@@ -254,22 +308,59 @@ class AgentService:
         )
         self._saver_conn, self._saver, self._graph = conn, saver, build_graph(parts, saver)
 
-    async def _write(self, write: Any, *args: Any) -> None:
+    async def _write(self, write: Any, *args: Any) -> Any:
         """Run an app-table write on the loop, outside any transaction of the saver.
 
         The saver holds its lock from its INSERT to its commit, and needs the loop in between;
         a synchronous write that waited on SQLite's lock meanwhile would block that very loop.
         """
         async with self._saver.lock:
-            write(*args)
+            return write(*args)
 
-    async def _launch(self, conversation_id: str, graph_input: Any, resume: bool) -> ActiveRun:
+    def _pending_input(self, conversation_id: str, state: Any) -> list[dict[str, str]]:
+        """The messages of the latest run if they never reached the thread, else [].
+
+        Every checkpoint carries the id of the run that wrote it, so the latest run's input is
+        in the thread exactly when the latest checkpoint is that run's.
+        """
+        latest = self.store.latest_run(conversation_id)
+        if latest is None or not latest.input:
+            return []
+        if (state.metadata or {}).get("run_id") == latest.id:
+            return []
+        return latest.input_messages
+
+    async def _launch(
+        self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None
+    ) -> ActiveRun:
         run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume)
-        await self._write(self.store.start_run, run.id, conversation_id)
+        await self._write(self.store.start_run, run.id, conversation_id, messages, title)
         self.active[conversation_id] = run
+        self._keep_lease()
         run.publish("started", {"conversation": conversation_id, "run": run.id, "resume": resume})
+        graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in messages]} if messages else None
         run.task = asyncio.create_task(self._execute(run, self._graph, graph_input))
         return run
+
+    def _keep_lease(self) -> None:
+        if self.settings.single_owner or (self._lease_keeper is not None and not self._lease_keeper.done()):
+            return
+        self._lease_keeper = asyncio.create_task(self._renew_lease())
+
+    async def _renew_lease(self) -> None:
+        """While this process has runs, renew its lease; a run taken over stops at its next step."""
+        while self.active:
+            await asyncio.sleep(self.settings.lease_seconds / 3)
+            runs = list(self.active.values())
+            try:
+                lost = await self._write(self.store.renew_lease, [run.id for run in runs])
+            except Exception:
+                log.exception("could not renew the lease of %s", self.store.owner)
+                continue
+            for run in runs:
+                if run.id in lost and not run.lost:
+                    run.lost = True
+                    run.control.request_drain("ownership lost")
 
     async def _execute(self, run: ActiveRun, graph: Any, graph_input: Any) -> None:
         config = {
@@ -278,14 +369,16 @@ class AgentService:
             "recursion_limit": self.settings.recursion_limit,
         }
         translator = StreamTranslator(model_name=self.settings.ollama_model)
+        gate = DurableGate(run.publish)
+        self._saver.listeners[run.conversation] = lambda metadata: gate.saved(metadata.get("step", -1))
         status, error = "completed", None
         try:
             async for mode, chunk in graph.astream(
                 graph_input, config, stream_mode=["messages", "debug"], durability="sync",
                 control=run.control,
             ):
-                for name, data in translator.feed(mode, chunk):
-                    run.publish(name, data)
+                for item in translator.feed(mode, chunk):
+                    gate.offer(*item)
         except GraphDrained:
             status, error = "interrupted", (errors.SHUTDOWN, errors.SHUTDOWN_MESSAGE)
         except asyncio.CancelledError:
@@ -293,8 +386,11 @@ class AgentService:
             status, error = "interrupted", (errors.SHUTDOWN, errors.SHUTDOWN_MESSAGE)
         except Exception as exc:
             status, error = "failed", classify_error(exc)
-        for name, data in translator.finish():
-            run.publish(name, data)
+            run.lost = run.lost or is_fenced(exc)
+        finally:
+            self._saver.listeners.pop(run.conversation, None)
+        for item in translator.finish():
+            gate.offer(*item)
         # A completed run's last checkpoint is on the stream; after a failure, ask the saver what
         # was actually written.
         count = translator.message_count if status == "completed" else None
@@ -305,12 +401,17 @@ class AgentService:
                 self._write(self.store.finish_run, run.id, status, count, *(error or (None, None)))
             )
             try:
-                await asyncio.shield(record)
+                recorded = await asyncio.shield(record)
             except asyncio.CancelledError:  # a late shutdown cancel: let the write under way finish
-                await record
+                recorded = await record
+            if not recorded:  # the run is another process's now: its record stands, not ours
+                run.lost = True
         except Exception:
             # The row stays `running`; the next process relabels it `interrupted`.
             log.exception("could not record the outcome of run %s", run.id)
+        gate.flush()
+        if run.lost:
+            error = (errors.OWNERSHIP_LOST, errors.OWNERSHIP_LOST_MESSAGE)
         if error:
             run.publish("chat-error", {
                 "code": error[0], "message": error[1], "conversation": run.conversation, "run": run.id,

@@ -17,6 +17,7 @@ DEFAULT_CONFIG_DIR = "config"
 DEFAULT_MEMORY_FILE_PATH = "data/memory/memory.jsonl"
 DEFAULT_RECURSION_LIMIT = 25
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+DEFAULT_LEASE_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,11 @@ class Settings:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     naive_shutdown: bool = False
     """Reproduce the original's shutdown (close everything, no drain) instead of draining."""
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    """How long a process's claim on its running runs lasts unless renewed (every third of it)."""
+    single_owner: bool = False
+    """Reproduce the original's ownership: a `running` run at first open means dead, and no
+    process checks who owns a run before writing (lesson 08 shows what that costs)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -53,7 +59,9 @@ class Settings:
             memory_file_path=_absolute(get("MEMORY_FILE_PATH", DEFAULT_MEMORY_FILE_PATH)),
             recursion_limit=_positive(env.get("AGENT_RECURSION_LIMIT"), DEFAULT_RECURSION_LIMIT, int),
             shutdown_timeout=_positive(env.get("SHUTDOWN_TIMEOUT"), DEFAULT_SHUTDOWN_TIMEOUT, float),
-            naive_shutdown=(env.get("SOPHOS_LAB_NAIVE_SHUTDOWN") or "").lower() in ("1", "true", "yes"),
+            naive_shutdown=_flag(env.get("SOPHOS_LAB_NAIVE_SHUTDOWN")),
+            lease_seconds=_positive(env.get("SOPHOS_LAB_LEASE_SECONDS"), DEFAULT_LEASE_SECONDS, float),
+            single_owner=_flag(env.get("SOPHOS_LAB_SINGLE_OWNER")),
         )
 
     def with_changes(self, **changes: object) -> Settings:
@@ -71,6 +79,10 @@ class Settings:
 
 def _absolute(value: str) -> Path:
     return Path(value).expanduser().absolute()
+
+
+def _flag(raw: str | None) -> bool:
+    return (raw or "").lower() in ("1", "true", "yes")
 
 
 def _positive(raw: str | None, default: T, kind: Callable[[str], T]) -> T:

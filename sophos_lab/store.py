@@ -3,20 +3,28 @@
 LangGraph's checkpoint tables live in the same file but are owned by its saver, on a connection
 of their own: the saver commits after every write, and it must not commit ours by accident.
 
-Nothing opens the file until something needs it. The first open in a process applies pending
-migrations and then relabels every `running` row `interrupted`: a run that was running when this
-process started cannot be running any more, because one process owns the file.
+Nothing opens the file until something needs it. The first open applies pending migrations and
+then relabels `running` rows `interrupted` — only those whose owner is gone (see `ownership`):
+several processes may share the file, and a live process's run is left alone. The same sweep
+runs, for one conversation, before a run starts there and before a conversation is read, so a
+process that died while another one was open is recovered as soon as anyone looks.
+
+With `single_owner=True` the store does what the original did: the first open relabels every
+`running` row, whoever runs it, and outcomes are written without checking who owns the run.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .errors import SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
+from .ownership import Owner, owner_gone
 
 RUN_STATUSES = ("running", "interrupted", "completed", "failed", "cancelled")
 
@@ -44,6 +52,23 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX runs_by_conversation ON runs (conversation_id, started_at);
     CREATE UNIQUE INDEX one_running_run_per_conversation ON runs (conversation_id)
         WHERE status = 'running';
+    """,
+    # v2: run ownership, and the user's message kept with the run that carries it.
+    # `owners` has one row per open store; `runs.owner_id` keeps naming the owner after its row
+    # is gone. `runs.input` holds the messages a run adds to the thread (JSON), written in the
+    # same transaction as the run, so an accepted message is on disk before anyone is told.
+    """
+    CREATE TABLE owners (
+        id TEXT PRIMARY KEY,
+        host TEXT NOT NULL,
+        boot_id TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        pid_started TEXT NOT NULL,
+        opened_at TEXT NOT NULL,
+        lease_expires_at REAL NOT NULL
+    );
+    ALTER TABLE runs ADD COLUMN owner_id TEXT;
+    ALTER TABLE runs ADD COLUMN input TEXT;
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -75,6 +100,13 @@ class Run:
     error_message: str | None
     started_at: str
     finished_at: str | None
+    owner_id: str | None = None
+    input: str | None = None
+    """The user's messages this run adds to the thread, as JSON `[{"id", "content"}]`."""
+
+    @property
+    def input_messages(self) -> list[dict[str, str]]:
+        return json.loads(self.input) if self.input else []
 
 
 def utc_now() -> str:
@@ -128,8 +160,54 @@ def connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
+_RUNNING_SQL = """
+SELECT r.id AS run_id, o.host, o.boot_id, o.pid, o.pid_started, o.lease_expires_at,
+       o.id IS NOT NULL AS has_owner
+FROM runs r LEFT JOIN owners o ON o.id = r.owner_id
+WHERE r.status = 'running'"""
+
+
+def stale_runs(conn: sqlite3.Connection, me: Owner, conversation_id: str | None = None) -> list[str]:
+    """The `running` runs whose owner is gone (of one conversation, or of all)."""
+    sql, params = _RUNNING_SQL, ()
+    if conversation_id is not None:
+        sql, params = sql + " AND r.conversation_id = ?", (conversation_id,)
+    now = time.time()
+    return [
+        row["run_id"]
+        for row in conn.execute(sql, params)
+        if owner_gone(dict(row) if row["has_owner"] else None, me, now)
+    ]
+
+
+def relabel_interrupted(conn: sqlite3.Connection, run_ids: list[str]) -> int:
+    """Mark these runs `interrupted` if they are still `running`; how many were."""
+    now = utc_now()
+    return sum(
+        conn.execute(
+            "UPDATE runs SET status = 'interrupted', finished_at = ? WHERE id = ? AND status = 'running'",
+            (now, run_id),
+        ).rowcount
+        for run_id in run_ids
+    )
+
+
+def forget_gone_owners(conn: sqlite3.Connection, me: Owner) -> None:
+    """Delete the rows of gone owners that no longer hold a `running` run."""
+    now = time.time()
+    gone = [
+        row["id"] for row in conn.execute(
+            "SELECT * FROM owners WHERE id != ? AND id NOT IN"
+            " (SELECT owner_id FROM runs WHERE status = 'running' AND owner_id IS NOT NULL)",
+            (me.id,),
+        )
+        if owner_gone(dict(row), me, now)
+    ]
+    conn.executemany("DELETE FROM owners WHERE id = ?", [(owner_id,) for owner_id in gone])
+
+
 def recover_interrupted_runs(conn: sqlite3.Connection) -> int:
-    """Relabel every `running` row `interrupted`; returns how many were relabelled."""
+    """The original's recovery: relabel every `running` row `interrupted`; how many."""
     cursor = conn.execute(
         "UPDATE runs SET status = 'interrupted', finished_at = ? WHERE status = 'running'",
         (utc_now(),),
@@ -138,10 +216,14 @@ def recover_interrupted_runs(conn: sqlite3.Connection) -> int:
 
 
 class Store:
-    """Lazy access to the application tables of one database file."""
+    """Lazy access to the application tables of one database file, as one owner."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, lease_seconds: float = 15.0, single_owner: bool = False) -> None:
         self.path = Path(path)
+        self.lease_seconds = lease_seconds
+        self.single_owner = single_owner
+        self.owner: Owner | None = None
+        """This store's identity in `owners`, from its first open on."""
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.RLock()
         self.recovered_runs = 0
@@ -157,27 +239,95 @@ class Store:
         with self._lock:
             if self._conn is None:
                 conn = connect(self.path)
-                self.recovered_runs = recover_interrupted_runs(conn)
-                self._conn = conn
+                # One identity per Store: a store closed and opened again is still the same owner.
+                owner = self.owner = self.owner or Owner.here()
+                try:
+                    self._conn = conn
+                    self._register(owner)
+                    if self.single_owner:
+                        self.recovered_runs = recover_interrupted_runs(conn)
+                    else:
+                        self.recovered_runs = self.recover()
+                except BaseException:
+                    self._conn = None
+                    conn.close()
+                    raise
             return self._conn
 
     def close(self) -> None:
+        """Close the file; this owner's runs still `running` become recoverable at once."""
         with self._lock:
             if self._conn is not None:
+                try:
+                    self._conn.execute("DELETE FROM owners WHERE id = ?", (self.owner.id,))
+                except sqlite3.Error:
+                    pass  # closing anyway: the lease runs out instead
                 self._conn.close()
                 self._conn = None
 
-    def _transaction(self, statements: list[tuple[str, tuple]]) -> None:
+    def _transaction(self, statements: list[tuple[str, tuple]]) -> list[int]:
+        """Run the statements in one write transaction; their row counts."""
         conn = self.conn
         with self._lock:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                for sql, params in statements:
-                    conn.execute(sql, params)
+                counts = [conn.execute(sql, params).rowcount for sql, params in statements]
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
+            return counts
+
+    # ownership
+
+    def _lease_statement(self, owner: Owner) -> tuple[str, tuple]:
+        return (
+            "INSERT INTO owners (id, host, boot_id, pid, pid_started, opened_at, lease_expires_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO UPDATE SET lease_expires_at = excluded.lease_expires_at",
+            (owner.id, owner.host, owner.boot_id, owner.pid, owner.pid_started, utc_now(),
+             time.time() + self.lease_seconds),
+        )
+
+    def _register(self, owner: Owner) -> None:
+        self._transaction([self._lease_statement(owner)])
+
+    def recover(self, conversation_id: str | None = None) -> int:
+        """Relabel `interrupted` the `running` runs whose owner is gone; how many.
+
+        A read decides whether there is anything to do, so the common case takes no write lock;
+        the relabelling re-checks under the lock (`status = 'running'`).
+        """
+        if self.single_owner:
+            return 0
+        conn = self.conn
+        with self._lock:
+            if not stale_runs(conn, self.owner, conversation_id):
+                return 0
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                count = relabel_interrupted(conn, stale_runs(conn, self.owner, conversation_id))
+                forget_gone_owners(conn, self.owner)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return count
+
+    def renew_lease(self, run_ids: list[str]) -> set[str]:
+        """Extend this owner's lease; the ids among `run_ids` it no longer owns (taken over)."""
+        conn = self.conn
+        self._transaction([self._lease_statement(self.owner)])
+        if not run_ids:
+            return set()
+        marks = ", ".join("?" * len(run_ids))
+        still = {
+            row[0] for row in conn.execute(
+                f"SELECT id FROM runs WHERE id IN ({marks}) AND status = 'running' AND owner_id = ?",
+                (*run_ids, self.owner.id),
+            )
+        }
+        return set(run_ids) - still
 
     # conversations
 
@@ -198,18 +348,39 @@ class Store:
 
     # runs
 
-    def start_run(self, run_id: str, conversation_id: str) -> None:
-        """Insert a `running` row and bump the conversation's `updated_at`, in one transaction."""
+    def start_run(
+        self,
+        run_id: str,
+        conversation_id: str,
+        input_messages: list[dict[str, str]] | None = None,
+        title: str | None = None,
+    ) -> None:
+        """Start a run, in one transaction: the conversation (when `title` is given, it is new),
+        this owner's lease, the `running` row with the messages it carries, `updated_at`.
+
+        A `running` run of a live owner on the conversation makes the database refuse the row
+        (`SESSION_IN_PROGRESS`); one of a gone owner is relabelled `interrupted` first.
+        """
+        self.recover(conversation_id)
         now = utc_now()
+        statements = []
+        if title is not None:
+            statements.append((
+                "INSERT INTO conversations (id, title, created_at, updated_at) VALUES (?, ?, ?, ?)",
+                (conversation_id, title_from_message(title), now, now),
+            ))
+        statements += [
+            self._lease_statement(self.owner),
+            (
+                "INSERT INTO runs (id, conversation_id, status, started_at, owner_id, input)"
+                " VALUES (?, ?, 'running', ?, ?, ?)",
+                (run_id, conversation_id, now, self.owner.id,
+                 json.dumps(input_messages, ensure_ascii=False) if input_messages else None),
+            ),
+            ("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id)),
+        ]
         try:
-            self._transaction([
-                (
-                    "INSERT INTO runs (id, conversation_id, status, started_at)"
-                    " VALUES (?, ?, 'running', ?)",
-                    (run_id, conversation_id, now),
-                ),
-                ("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id)),
-            ])
+            self._transaction(statements)
         except sqlite3.IntegrityError as error:
             if "one_running_run_per_conversation" in str(error) or "runs.conversation_id" in str(error):
                 raise SophosError(SESSION_IN_PROGRESS, "Previous request still in progress") from error
@@ -222,24 +393,45 @@ class Store:
         message_count: int | None,
         error_code: str | None = None,
         error_message: str | None = None,
-    ) -> None:
-        """Record a run's outcome and the conversation's message count, in one transaction."""
+    ) -> bool:
+        """Record a run's outcome and the conversation's message count, in one transaction.
+
+        Only while the run is still this owner's and `running`: returns False, writing nothing,
+        when another process has taken it over (fencing).
+        """
         now = utc_now()
-        statements = [(
-            "UPDATE runs SET status = ?, error_code = ?, error_message = ?, finished_at = ?"
-            " WHERE id = ?",
-            (status, error_code, error_message, now, run_id),
-        )]
-        if message_count is not None:
-            statements.append((
-                "UPDATE conversations SET message_count = ?, updated_at = ?"
-                " WHERE id = (SELECT conversation_id FROM runs WHERE id = ?)",
-                (message_count, now, run_id),
-            ))
-        self._transaction(statements)
+        mine = "" if self.single_owner else " AND status = 'running' AND owner_id = ?"
+        conn = self.conn
+        with self._lock:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                updated = conn.execute(
+                    "UPDATE runs SET status = ?, error_code = ?, error_message = ?, finished_at = ?"
+                    " WHERE id = ?" + mine,
+                    (status, error_code, error_message, now, run_id,
+                     *(() if self.single_owner else (self.owner.id,))),
+                ).rowcount
+                if updated and message_count is not None:
+                    conn.execute(
+                        "UPDATE conversations SET message_count = ?, updated_at = ?"
+                        " WHERE id = (SELECT conversation_id FROM runs WHERE id = ?)",
+                        (message_count, now, run_id),
+                    )
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        return bool(updated)
 
     def get_run(self, run_id: str) -> Run | None:
         row = self.conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        return Run(**row) if row else None
+
+    def latest_run(self, conversation_id: str) -> Run | None:
+        row = self.conn.execute(
+            "SELECT * FROM runs WHERE conversation_id = ? ORDER BY started_at DESC, rowid DESC LIMIT 1",
+            (conversation_id,),
+        ).fetchone()
         return Run(**row) if row else None
 
     def list_runs(self, conversation_id: str | None = None) -> list[Run]:

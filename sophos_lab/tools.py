@@ -29,7 +29,7 @@ DISCOVERY_TIMEOUT = 60.0
 IDEMPOTENCY_KEY = "idempotency_key"
 """A tool argument the runtime fills in itself (see `model_facing` and `with_idempotency_key`)."""
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_SERVER_NAME = re.compile(r"^[A-Za-z0-9-]+$")
+_SERVER_NAME = re.compile(r"[A-Za-z0-9-]+")  # fullmatch: `$` would let a trailing newline through
 
 
 @dataclass(frozen=True)
@@ -73,37 +73,89 @@ def kit_variables(settings: Settings) -> dict[str, str]:
     }
 
 
+class _DuplicateKey(Exception):
+    """A JSON object names the same key twice (`json` would keep the last one silently)."""
+
+
+def read_config_file(path: Path, what: str) -> str:
+    """A configuration file's text; missing, unreadable or not UTF-8 is a CONFIG_ERROR naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SophosError(CONFIG_ERROR, f"{what} not found: {path.absolute()}") from None
+    except OSError as error:
+        raise SophosError(CONFIG_ERROR, f"{path}: cannot read the file ({error.strerror or error})") from None
+    except UnicodeDecodeError as error:
+        raise SophosError(CONFIG_ERROR, f"{path}: not UTF-8 text ({error})") from None
+
+
+def mcp_servers(settings: Settings) -> list[ServerConfig]:
+    """The servers of `settings`' `mcp.json`, with `${VAR}` from the environment and the kit."""
+    return load_mcp_config(settings.mcp_config_path, {**os.environ, **kit_variables(settings)})
+
+
 def load_mcp_config(path: Path, variables: Mapping[str, str]) -> list[ServerConfig]:
     """Read and check `mcp.json`: a JSON object mapping server names to connection objects."""
+    text = read_config_file(path, "MCP configuration")
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SophosError(CONFIG_ERROR, f"MCP configuration not found: {path.absolute()}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
+        data = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as error:
+        raise SophosError(CONFIG_ERROR, f"{path}: the key {error.args[0]!r} appears twice") from None
+    except RecursionError:
+        raise SophosError(CONFIG_ERROR, f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as error:  # JSONDecodeError, or an integer too long to convert
         raise SophosError(CONFIG_ERROR, f"{path}: not valid JSON ({error})") from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise SophosError(CONFIG_ERROR, f"{path} must map server names to objects")
     return [_server_config(path, name, entry, variables) for name, entry in data.items()]
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) < len(pairs):
+        keys = [key for key, _ in pairs]
+        raise _DuplicateKey(next(key for key in keys if keys.count(key) > 1))
+    return data
+
+
 def _server_config(path: Path, name: str, entry: dict, variables: Mapping[str, str]) -> ServerConfig:
     def bad(why: str) -> SophosError:
         return SophosError(CONFIG_ERROR, f"{path}: server {name!r}: {why}")
 
-    def expand(value: object, where: str) -> str:
+    def check_text(value: str, where: str) -> None:
+        # Neither can reach a process: argv, env and paths are NUL-terminated bytes, and a lone
+        # surrogate (only a JSON `\uD800` escape makes one) has no UTF-8 encoding.
+        if "\0" in value:
+            raise bad(f"{where} may not contain NUL characters")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(f"{where} is not valid Unicode (it has a lone surrogate)") from None
+
+    def expand(value: object, where: str, required: bool = False) -> str:
         if not isinstance(value, str):
             raise bad(f"{where} must be a string")
+        check_text(value, where)  # before expansion: the environment may hold surrogate escapes
 
         def lookup(match: re.Match) -> str:
             if match.group(1) not in variables:
                 raise bad(f"{where} uses ${{{match.group(1)}}}, which is not set")
             return variables[match.group(1)]
 
-        return _PLACEHOLDER.sub(lookup, value)
+        expanded = _PLACEHOLDER.sub(lookup, value)
+        if required and not expanded:
+            raise bad(f"{where} may not be empty")
+        return expanded
 
-    if not _SERVER_NAME.match(name):
+    def env_name(key: str) -> str:
+        check_text(key, "env names")
+        if not key:
+            raise bad("env names may not be empty")
+        if "=" in key:
+            raise bad("env names may not contain '='")
+        return key
+
+    if not _SERVER_NAME.fullmatch(name):
         raise bad("names may use letters, digits and '-' only")
     unknown = set(entry) - {"command", "args", "env", "cwd", "url", "transport"}
     if unknown:
@@ -111,7 +163,7 @@ def _server_config(path: Path, name: str, entry: dict, variables: Mapping[str, s
     if ("command" in entry) == ("url" in entry):
         raise bad("give exactly one of 'command' (stdio) or 'url' (streamable HTTP)")
     if "url" in entry:
-        return ServerConfig(name=name, url=expand(entry["url"], "url"))
+        return ServerConfig(name=name, url=expand(entry["url"], "url", required=True))
     args = entry.get("args", [])
     env = entry.get("env", {})
     if not isinstance(args, list):
@@ -120,10 +172,10 @@ def _server_config(path: Path, name: str, entry: dict, variables: Mapping[str, s
         raise bad("env must map names to strings")
     return ServerConfig(
         name=name,
-        command=expand(entry["command"], "command"),
+        command=expand(entry["command"], "command", required=True),
         args=tuple(expand(arg, "args") for arg in args),
-        env={key: expand(value, f"env.{key}") for key, value in env.items()},
-        cwd=expand(entry["cwd"], "cwd") if "cwd" in entry else None,
+        env={env_name(key): expand(value, f"env.{key}") for key, value in env.items()},
+        cwd=expand(entry["cwd"], "cwd", required=True) if "cwd" in entry else None,
     )
 
 
@@ -240,7 +292,7 @@ class McpTools:
         """
         hosts: list[asyncio.Task] = []
         try:
-            servers = load_mcp_config(self.settings.mcp_config_path, {**os.environ, **kit_variables(self.settings)})
+            servers = mcp_servers(self.settings)
             found = [asyncio.get_running_loop().create_future() for _ in servers]
             hosts = [asyncio.create_task(self._serve_one(s, f, stop)) for s, f in zip(servers, found)]
             results = await asyncio.gather(*found)

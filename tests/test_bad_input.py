@@ -1,12 +1,25 @@
 """Bad input is refused with a clear error, and the database is intact afterwards."""
 
+import asyncio
 import sqlite3
 import uuid
 
+import matplotlib.pyplot as plt
 import pytest
 from conftest import integrity, statuses
 
-from sophos_lab.errors import AGENT_FAILURE, BAD_REQUEST, NOT_FOUND, SCHEMA_TOO_NEW, SophosError
+from sophos_lab import inspect as views
+from sophos_lab.agent import check_config, read_system_prompt
+from sophos_lab.errors import (
+    AGENT_FAILURE, BAD_REQUEST, CONFIG_ERROR, NOT_FOUND, RUN_NOT_RESUMABLE, SCHEMA_TOO_NEW, SophosError,
+)
+from sophos_lab.service import parse_conversation_id
+from sophos_lab.tools import load_mcp_config
+
+VIEWS = [
+    views.peek_runs, views.checkpoints, views.pending_writes, views.messages, views.thread_view,
+    views.state, views.timeline,
+]
 
 
 @pytest.fixture
@@ -43,6 +56,35 @@ async def test_a_malformed_conversation_id_is_a_bad_request(open_service, copied
     assert "Invalid Conversation ID" in refusals[0].message
     assert conversation.id == copied
     assert integrity(db_path) == "ok"
+
+
+def test_a_conversation_id_with_a_trailing_newline_is_a_bad_request():
+    with pytest.raises(SophosError) as refused:
+        parse_conversation_id(str(uuid.uuid4()) + "\n")
+    assert refused.value.code == BAD_REQUEST
+
+
+@pytest.mark.parametrize(
+    "bad_id", ["\ud800", [""], [], 42, "", "not-a-uuid", "' OR 1=1 --"],
+    ids=["lone-surrogate", "list-of-empty", "empty-list", "int", "empty", "not-a-uuid", "sql"],
+)
+@pytest.mark.parametrize("view", VIEWS, ids=lambda view: view.__name__)
+def test_the_inspect_views_refuse_a_malformed_conversation_id(fetched, view, bad_id):
+    with pytest.raises(SophosError) as refused:
+        view(fetched.db_path, bad_id)
+
+    assert refused.value.code == BAD_REQUEST
+    assert refused.value.message == f"Invalid Conversation ID: {bad_id!r}"
+    assert integrity(fetched.db_path) == "ok"
+
+
+def test_the_inspect_views_read_a_conversation_by_its_id_in_any_case(fetched):
+    db, upper = fetched.db_path, fetched.conversation.upper()
+    assert views.peek_runs(db, None)["id"].tolist() == [fetched.run]  # None: every run
+    assert views.peek_runs(db, upper)["id"].tolist() == [fetched.run]
+    assert views.state(db, upper) == views.state(db, fetched.conversation)
+    plt.close(views.timeline(db, upper))
+    assert integrity(db) == "ok"
 
 
 async def test_an_upper_case_id_names_the_same_conversation(open_service, copied):
@@ -95,18 +137,131 @@ async def test_an_empty_message_is_a_bad_request(open_service, copied, db_path, 
     ],
     ids=["invalid-json", "a-list", "not-objects", "unknown-variable"],
 )
-async def test_a_malformed_mcp_json_fails_the_run_naming_the_file(open_service, config_dir, db_path, mcp_json, reason):
+async def test_a_malformed_mcp_json_is_refused_naming_the_file(open_service, config_dir, db_path, mcp_json, reason):
     (config_dir / "mcp.json").write_text(mcp_json)
     async with open_service() as agent:
-        error = await agent.ask("hello")
-        detail = await agent.get_conversation(error.data["conversation"])
-        [run] = agent.list_runs(error.data["conversation"])
+        refused = await refusal(lambda: agent.chat("hello"))
+        assert agent.list_conversations() == []
 
-    assert (error.event, error.data["code"]) == ("chat-error", AGENT_FAILURE)
-    assert str(config_dir / "mcp.json") in error.data["message"]
-    assert reason in error.data["message"]
-    assert (run.status, run.error_code, run.error_message) == ("failed", AGENT_FAILURE, error.data["message"])
-    assert (detail.next, detail.resumable) == (("agent",), True)
+    assert refused.code == CONFIG_ERROR
+    assert str(config_dir / "mcp.json") in refused.message
+    assert reason in refused.message
+    assert integrity(db_path) == "ok"
+
+
+BAD_MCP_JSON = [
+    (b"\xff\xfe\x00", "not UTF-8 text ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)"),
+    (b"[" * 100_000, "not valid JSON (nested too deeply)"),
+    (b'{"a": {"command": ""}}', "server 'a': command may not be empty"),
+    (b'{"a": {"url": ""}}', "server 'a': url may not be empty"),
+    (b'{"fetch\\n": {"command": "python"}}', "server 'fetch\\n': names may use letters, digits and '-' only"),
+    (b'{"a": {"command": "python\\u0000"}}', "server 'a': command may not contain NUL"),
+    (b'{"a": {"command": "\\ud800"}}', "server 'a': command is not valid Unicode"),
+    (b'{"a": {"command": "python", "env": {"": "x"}}}', "server 'a': env names may not be empty"),
+    (b'{"a": {"command": "python", "env": {"A=B": "x"}}}', "server 'a': env names may not contain '='"),
+    (b'{"a": {"command": "x"}, "a": {"command": "y"}}', "the key 'a' appears twice"),
+    (b'{"a": ' + b"1" * 5000 + b"}", "not valid JSON (Exceeds the limit (4300 digits)"),
+]
+BAD_MCP_JSON_IDS = [
+    "not-utf-8", "deeply-nested", "empty-command", "empty-url", "name-with-newline", "nul",
+    "lone-surrogate", "empty-env-name", "env-name-with-equals", "duplicate-server", "huge-integer",
+]
+
+
+@pytest.mark.parametrize(("mcp_json", "reason"), BAD_MCP_JSON, ids=BAD_MCP_JSON_IDS)
+def test_a_malformed_mcp_json_is_a_config_error_naming_the_file(lab, config_dir, mcp_json, reason):
+    path = config_dir / "mcp.json"
+    path.write_bytes(mcp_json)
+    with pytest.raises(SophosError) as loading:
+        load_mcp_config(path, {})
+    with pytest.raises(SophosError) as checking:
+        check_config(lab.settings(CONFIG_DIR=str(config_dir)))
+
+    assert loading.value.code == CONFIG_ERROR
+    assert loading.value.message.startswith(f"{path}: ")
+    assert reason in loading.value.message
+    assert checking.value == loading.value
+
+
+def test_a_directory_in_place_of_mcp_json_is_a_config_error(lab, config_dir):
+    path = config_dir / "mcp.json"
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(SophosError) as checking:
+        check_config(lab.settings(CONFIG_DIR=str(config_dir)))
+
+    assert checking.value.code == CONFIG_ERROR
+    assert checking.value.message == f"{path}: cannot read the file (Is a directory)"
+
+
+def test_a_missing_mcp_json_is_a_config_error(lab, config_dir):
+    (config_dir / "mcp.json").unlink()
+    with pytest.raises(SophosError) as checking:
+        check_config(lab.settings(CONFIG_DIR=str(config_dir)))
+
+    assert checking.value == SophosError(CONFIG_ERROR, f"MCP configuration not found: {config_dir / 'mcp.json'}")
+
+
+def _not_utf8(path):
+    path.write_bytes(b"\xff\xfe\x00")
+
+
+def _directory(path):
+    path.unlink()
+    path.mkdir()
+
+
+@pytest.mark.parametrize(
+    ("spoil", "reason"),
+    [(_not_utf8, "not UTF-8 text ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)"),
+     (_directory, "cannot read the file (Is a directory)")],
+    ids=["not-utf-8", "a-directory"],
+)
+def test_a_bad_system_prompt_is_a_config_error_naming_the_file(lab, config_dir, spoil, reason):
+    settings = lab.settings(CONFIG_DIR=str(config_dir))
+    spoil(settings.system_prompt_path)
+    with pytest.raises(SophosError) as reading:
+        read_system_prompt(settings)
+    with pytest.raises(SophosError) as checking:
+        check_config(settings)
+
+    assert reading.value.code == CONFIG_ERROR
+    assert reading.value.message.startswith(f"{settings.system_prompt_path}: ")
+    assert reason in reading.value.message
+    assert checking.value == reading.value
+
+
+def test_a_missing_system_prompt_is_a_config_error(lab, config_dir):
+    settings = lab.settings(CONFIG_DIR=str(config_dir))
+    settings.system_prompt_path.unlink()
+    with pytest.raises(SophosError) as checking:
+        check_config(settings)
+
+    assert checking.value == SophosError(CONFIG_ERROR, f"System prompt not found: {settings.system_prompt_path}")
+
+
+def test_the_lab_configuration_passes_the_check(lab, config_dir):
+    assert check_config(lab.settings(CONFIG_DIR=str(config_dir))) is None
+
+
+@pytest.mark.parametrize("spoil", [
+    lambda config: (config / "mcp.json").write_bytes(b"\xff\xfe\x00"),
+    lambda config: (config / "mcp.json").write_text('{"a": {"command": ""}}'),
+    lambda config: _not_utf8(config / "system.md"),
+], ids=["mcp-json-not-utf-8", "empty-command", "system-md-not-utf-8"])
+async def test_a_bad_configuration_is_refused_before_anything_is_written(
+    open_service, copied, config_dir, db_path, spoil,
+):
+    spoil(config_dir)
+    async with open_service() as agent:
+        new = await refusal(lambda: agent.chat("hello"))
+        follow_up = await refusal(lambda: agent.chat("hello", copied))
+        resumed = await refusal(lambda: agent.resume(copied))
+        assert [c.id for c in agent.list_conversations()] == [copied]
+        assert statuses(agent, copied) == ["completed"]
+
+    assert new.code == follow_up.code == CONFIG_ERROR
+    assert resumed.code in (CONFIG_ERROR, RUN_NOT_RESUMABLE)  # `copied` has nothing to resume
     assert integrity(db_path) == "ok"
 
 
@@ -114,21 +269,30 @@ async def test_a_fixed_mcp_json_is_read_again_without_a_restart(lab, open_servic
     good = (config_dir / "mcp.json").read_text()
     (config_dir / "mcp.json").write_text("{")
     async with open_service() as agent:
-        error = await agent.ask("hello")
+        assert (await refusal(lambda: agent.chat("hello"))).code == CONFIG_ERROR
         (config_dir / "mcp.json").write_text(good)
-        end = await (await agent.resume(error.data["conversation"])).wait()
-        assert statuses(agent, error.data["conversation"]) == ["failed", "completed"]
+        end = await agent.ask("hello")
+        assert statuses(agent, end.data["conversation"]) == ["completed"]
 
     assert end.data["status"] == "completed"
 
 
-async def test_a_missing_system_prompt_fails_the_run_naming_the_path(open_service, config_dir, db_path):
-    (config_dir / "system.md").unlink()
+async def test_a_system_prompt_removed_during_a_run_fails_it_with_a_config_error(
+    lab, open_service, config_dir, db_path
+):
+    """Checked before the run, gone by the time the model is called again (read on every call)."""
+    lab.web.hold("/wal.html")
     async with open_service() as agent:
-        error = await agent.ask("hello")
+        run = await agent.chat(f"Fetch {lab.page('wal.html')}")
+        await asyncio.to_thread(lab.web.wait_held)  # the tools step is under way
+        (config_dir / "system.md").unlink()
+        lab.web.release()
+        error = await run.wait()
+        [recorded] = agent.list_runs(run.conversation)
 
-    assert error.data["code"] == AGENT_FAILURE
+    assert (error.event, error.data["code"]) == ("chat-error", CONFIG_ERROR)
     assert str(config_dir / "system.md") in error.data["message"]
+    assert (recorded.status, recorded.error_code) == ("failed", CONFIG_ERROR)
     assert integrity(db_path) == "ok"
 
 

@@ -113,3 +113,116 @@ async def test_a_kill_during_the_tools_step_fetches_the_page_again_on_resume(lab
     assert end.data["status"] == "completed"
     assert entered(resumed.buffer) == [(2, "tools"), (3, "agent")]
     assert lab.fetches("wal.html") == 2
+
+
+# --- the accepted message is durable from `started` on ----------------------------------------
+
+
+@pytest.mark.parametrize("follow_up", [False, True], ids=["new", "follow-up"])
+async def test_a_kill_right_after_started_keeps_the_message_and_the_resume_answers_it(
+    lab, restart, follow_up
+):
+    """The worker stops itself right after writing `started` (event 1), then is killed: the
+    message it accepted is on disk, the conversation is resumable, the resume answers it."""
+    conversation = None
+    if follow_up:
+        async with restart() as first:
+            conversation = (await first.ask("hello")).data["conversation"]
+    message = "hi, and keep this exact text: naïve café ☕"
+    with lab.worker(SOPHOS_LAB_STOP_AFTER_EVENT="1") as child:
+        child.chat(message, conversation)
+        started = child.wait_for("started")
+        conversation = started["data"]["conversation"]
+        assert child.kill() == -9
+
+    async with restart() as fresh:
+        detail = await fresh.get_conversation(conversation)
+        assert detail.resumable, (detail.next, detail.messages)
+        assert [m["content"] for m in detail.messages if m["role"] == "user"][-1] == message
+        end = await (await fresh.resume(conversation)).wait()
+        assert end.event == "end", end.data
+        after = await fresh.get_conversation(conversation)
+
+    users = [m["content"] for m in after.messages if m["role"] == "user"]
+    assert users == (["hello", message] if follow_up else [message])
+    assert roles(after)[-2:] == ["user", "assistant"]
+    assert not any(m.get("pending") for m in after.messages)
+    assert after.conversation.title == ("hello" if follow_up else message)
+
+
+async def test_a_message_accepted_while_an_earlier_one_is_pending_is_added_after_it(lab, restart):
+    """A kill before the first message reached the thread, then a new message instead of a
+    resume: both are in the thread, in the order they were sent."""
+    async with restart() as first:
+        conversation = (await first.ask("hello")).data["conversation"]
+    with lab.worker(SOPHOS_LAB_STOP_AFTER_EVENT="1") as child:
+        child.chat("hi, first", conversation)
+        child.wait_for("started")
+        child.kill()
+
+    async with restart() as fresh:
+        assert (await fresh.ask("hi, second", conversation)).event == "end"
+        detail = await fresh.get_conversation(conversation)
+    assert [m["content"] for m in detail.messages if m["role"] == "user"] == ["hello", "hi, first", "hi, second"]
+
+
+# --- persist, then notify: a reported step is never run again ---------------------------------
+
+
+def stop_at(child, name: str, **fields) -> int:
+    """The id of the first event of the latest command named `name` with `fields`."""
+    return child.wait_for(name, **fields)["id"]
+
+
+async def test_a_kill_right_after_a_tool_call_was_shown_runs_that_very_call(lab, restart):
+    """The client saw tool call X (reported with the agent step's `leave`): the resume runs X."""
+    with lab.worker() as probe:  # where is the `call` event of an uninterrupted run?
+        probe.chat(f"Fetch {lab.page('index.html')}")
+        point = stop_at(probe, "trace", event="call")
+        probe.wait_final()
+    with lab.worker(SOPHOS_LAB_STOP_AFTER_EVENT=str(point)) as child:
+        child.chat(f"Fetch {lab.page('index.html')}")
+        shown = child.wait_for("trace", event="call")["data"]["data"]["tool_call_id"]
+        conversation = child.conversation()
+        child.kill()
+
+    async with restart() as fresh:
+        detail = await fresh.get_conversation(conversation)
+        assert detail.next == ("tools",)
+        end = await (await fresh.resume(conversation)).wait()
+        assert end.event == "end"
+        after = await fresh.get_conversation(conversation)
+    [tool] = [m for m in after.messages if m["role"] == "tool"]
+    assert tool["toolCallId"] == shown
+
+
+@pytest.mark.parametrize("node", ["tools", "agent"])
+async def test_a_kill_right_after_leave_never_runs_that_step_again(lab, restart, node):
+    """`leave` is published once the step's checkpoint is saved: a kill right after it, and the
+    resume starts with the next step (the page is fetched once, the answer is not redone)."""
+    message = f"Fetch {lab.page('index.html')}"
+    with lab.worker() as probe:  # the last `leave` of `node` in an uninterrupted run
+        probe.chat(message)
+        probe.wait_final()
+        *_, last = (e for e in probe.events() if e["event"] == "trace"
+                    and e["data"]["event"] == "leave" and e["data"]["node"] == node)
+    point, left = last["id"], last["data"]["step"]
+    fetched_before = lab.fetches("index.html")
+    with lab.worker(SOPHOS_LAB_STOP_AFTER_EVENT=str(point)) as child:
+        child.chat(message)
+        child.wait_for("trace", event="leave", node=node, step=left)
+        conversation = child.conversation()
+        child.kill()
+    requests_before = len(lab.model.chat_requests())
+
+    async with restart() as fresh:
+        detail = await fresh.get_conversation(conversation)
+        if node == "agent":  # the last step: the answer is saved and the run is over
+            assert (detail.next, detail.resumable) == ((), False)
+        else:
+            resumed = await fresh.resume(conversation)
+            await resumed.wait()
+            assert min(step for step, _ in entered(resumed.buffer)) == left + 1
+    assert lab.fetches("index.html") - fetched_before == 1
+    if node == "agent":
+        assert len(lab.model.chat_requests()) == requests_before  # nothing was asked again

@@ -58,12 +58,10 @@ async def test_each_checkpoint_names_the_run_that_wrote_it(fetched, exported):
     assert {json.loads(line)["run_id"] for line in jsonl.splitlines()} == {run.id} == {fetched.run}
 
 
-async def test_checkpoints_of_a_resumed_thread_belong_to_each_run_in_turn(open_service, config_dir):
-    good = (config_dir / "mcp.json").read_text()
-    (config_dir / "mcp.json").write_text("{")
-    async with open_service() as agent:
+async def test_checkpoints_of_a_resumed_thread_belong_to_each_run_in_turn(open_service):
+    async with open_service(OLLAMA_MODEL="does-not-exist") as agent:
         conversation = (await agent.ask("hello")).data["conversation"]
-        (config_dir / "mcp.json").write_text(good)
+    async with open_service() as agent:
         await (await agent.resume(conversation)).wait()
         failed, completed = [run.id for run in agent.list_runs(conversation)]
         records = [json.loads(line) for line in (await agent.export_jsonl(conversation)).splitlines()]

@@ -1,9 +1,12 @@
 """The scripted model, driven by the real ChatOllama and ollama clients."""
 
+import http.client
 import json
 import threading
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import ollama
 import pytest
@@ -167,6 +170,31 @@ def test_armed_pause_holds_the_stream_until_release(server, llm, control):
     ]
     again = ollama.Client(host=server[0], timeout=5).chat("scripted", raw, stream=False)
     assert len(bullets(again.message.content)) == 12
+
+
+def test_a_burst_of_connections_is_answered_in_full(server):
+    """64 clients connect at the same instant, as a cold service starting many runs does.
+
+    With socketserver's default listen backlog (5) the kernel reset some of them.
+    """
+    clients = 64
+    address = urlsplit(server[0])
+    body = json.dumps({"model": "scripted", "messages": [user("hello")], "stream": False})
+    start = threading.Barrier(clients)
+
+    def ask(_: int) -> int:
+        start.wait()
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+        try:
+            connection.request("POST", "/api/chat", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            return response.status
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(clients) as pool:
+        assert list(pool.map(ask, range(clients))) == [200] * clients
 
 
 def test_wait_paused_times_out_when_nothing_is_held(control):

@@ -53,9 +53,9 @@ def test_nothing_is_opened_or_created_before_first_use(db_path):
 def test_first_open_applies_the_migrations_and_records_the_version(store, db_path):
     store.list_conversations()
     assert store.is_open
-    assert SCHEMA_VERSION == 1
-    assert user_version(db_path) == 1
-    assert {"conversations", "runs"} <= tables(db_path)
+    assert SCHEMA_VERSION == 2
+    assert user_version(db_path) == 2
+    assert {"conversations", "runs", "owners"} <= tables(db_path)
 
 
 def test_reopening_keeps_the_data_and_does_not_rerun_migrations(store, db_path):
@@ -65,7 +65,7 @@ def test_reopening_keeps_the_data_and_does_not_rerun_migrations(store, db_path):
     again = reopen(db_path)
     try:
         assert [c.id for c in again.list_conversations()] == [CONVERSATION]
-        assert user_version(db_path) == 1
+        assert user_version(db_path) == SCHEMA_VERSION
     finally:
         again.close()
 

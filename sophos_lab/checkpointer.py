@@ -1,0 +1,72 @@
+"""The checkpoint saver the runtime uses: LangGraph's AsyncSqliteSaver, plus two guarantees.
+
+- **Saved, then told.** After a checkpoint is committed, the saver calls the listener of its
+  thread with the checkpoint's metadata, so a run publishes "step N finished" only once step
+  N's checkpoint is on disk (see `events.DurableGate`).
+- **Fencing.** On its connection, the saver refuses (in the database, inside the insert's own
+  transaction) every checkpoint and pending write for a thread on which this owner does not
+  hold the `running` run. A process that lost its run to another one, say after being frozen
+  past its lease, can then write nothing over the new owner's work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+FENCED = "SOPHOS_FENCED"
+"""The text of the error a fenced write raises (`sqlite3.IntegrityError`)."""
+
+_FENCE = """
+CREATE TEMP TRIGGER IF NOT EXISTS sophos_fence_{table} BEFORE INSERT ON main.{table}
+WHEN NOT EXISTS (
+    SELECT 1 FROM main.runs
+    WHERE conversation_id = NEW.thread_id AND status = 'running' AND owner_id = {owner}
+)
+BEGIN
+    SELECT RAISE(ROLLBACK, '{fenced}: this process does not own the running run of the thread');
+END
+"""
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+class NotifyingSaver(AsyncSqliteSaver):
+    """An AsyncSqliteSaver that reports each committed checkpoint to its thread's listener."""
+
+    def __init__(self, conn: Any, **kwargs: Any) -> None:
+        super().__init__(conn, **kwargs)
+        self.listeners: dict[str, Callable[[dict[str, Any]], None]] = {}
+        """thread id → called with a checkpoint's metadata once it is committed."""
+
+    async def fence(self, owner_id: str) -> None:
+        """From now on, write only threads whose `running` run `owner_id` holds.
+
+        TEMP triggers live on this connection alone: other processes and readers are untouched.
+        """
+        await self.setup()
+        for table in ("checkpoints", "writes"):
+            await self.conn.execute(_FENCE.format(table=table, owner=_quote(owner_id), fenced=FENCED))
+        await self.conn.commit()
+
+    async def aput(self, config, checkpoint, metadata, new_versions):
+        saved = await super().aput(config, checkpoint, metadata, new_versions)
+        listener = self.listeners.get(str(config["configurable"]["thread_id"]))
+        if listener is not None:
+            listener(metadata)
+        return saved
+
+
+def is_fenced(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) is a write the fence refused."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if FENCED in str(error):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
