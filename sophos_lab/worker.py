@@ -12,6 +12,10 @@ handles SIGTERM:
 `python -m sophos_lab.worker` reads one JSON command per line on stdin:
 `{"cmd": "chat", "message": ..., "conversation": ...}`, `{"cmd": "resume", "conversation": ...}`,
 `{"cmd": "conversations"}` (opens the database: recovery runs), `{"cmd": "exit"}`. A refused command answers with a `rejected` event `{code, message}`.
+
+For crash tests, `SOPHOS_LAB_STOP_AFTER_EVENT=N` makes the child SIGSTOP itself right after it
+has written and flushed the N-th event (by event id) of the first run it follows, so a parent
+that waits for that event can kill it at exactly that point.
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ class ChildRuntime:
         self.shutdown_requested = False
         self._following = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_after = int(os.environ.get("SOPHOS_LAB_STOP_AFTER_EVENT") or 0)
+        """Stop (SIGSTOP) right after writing this event of the first run followed (0: never)."""
+        self._runs_followed = 0
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -92,9 +99,13 @@ class ChildRuntime:
         final = None
         try:
             run: ActiveRun = await start()
+            self._runs_followed += 1
+            stop_after = self._stop_after if self._runs_followed == 1 else 0
             async for event in run.events():
                 final = event.to_dict()
                 self.emit(final)
+                if event.id == stop_after:  # the line is flushed: the parent sees this point
+                    os.kill(os.getpid(), signal.SIGSTOP)
         except SophosError as error:
             self.emit({"event": "rejected", "data": {**error.to_dict(), "cmd": command}})
         except Exception as error:  # never leave the parent waiting for an answer

@@ -1,0 +1,480 @@
+"""The crash matrix: a worker stopped after *every* event of a reference run, then killed.
+
+The reference run has two tool steps (the `fetch-two-pages` script: fetch a page, fetch a second
+page, answer in two words). For each point N of its event stream the child is started with
+`SOPHOS_LAB_STOP_AFTER_EVENT=N`: it SIGSTOPs itself right after it has written event N, the
+parent waits for that event and for the stop (barriers, never timers), and then
+
+- SIGKILL matrix: SIGKILLs it (no cleanup runs);
+- SIGTERM matrix: sends SIGTERM, then SIGCONT, so the child's handler runs at exactly that point
+  and the child drains honestly: its run is recorded `interrupted` / `SHUTDOWN`, or `completed`
+  when it had already finished.
+
+A fresh runtime (an `AgentService` in this process, as in test_crash.py) then opens the database
+(recovery runs) and resumes until nothing is left to resume. For every point:
+
+- the final transcript equals the uninterrupted one (message ids and tool call ids aside);
+- the user's message is there exactly once: from `started` on, the accepted message is durable,
+  so recovery leaves the conversation resumable and a resume answers that exact message;
+- `PRAGMA integrity_check` is ok;
+- recovery keeps every step an event had reported finished: after a `call`, `result` or
+  `leave` of step s, the recovered thread holds at least the messages of steps 1..s (each step of
+  this script adds one message), so a finished model step is not asked again either;
+- each page is fetched once, except that a page may be fetched twice when the kill landed inside
+  its tools step before its checkpoint: from the step's `enter` up to (not including) the first
+  event that reports the step finished (`result` or `leave`), since such an event may only be
+  published once the checkpoint holding the step's writes is durable. A drained shutdown finishes
+  the step under way, so the SIGTERM matrix allows no repeat at all.
+
+Speed: one lab per lane (its own model and web servers, so fetches are counted per lane as
+differences), lanes run concurrently, and each lane starts its next point's worker while the
+current point is killed, recovered and resumed. Run alone with `pytest -m crash_matrix -s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import select
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import integrity
+
+from sophos_lab.children import EXITED, FATAL_EVENTS, ChildFailed, LabWorker
+from sophos_lab.errors import SophosError
+from sophos_lab.inspect import peek_runs
+from sophos_lab.lab import Lab
+
+pytestmark = pytest.mark.crash_matrix
+
+PAGES = ("index.html", "wal.html")
+MESSAGE = "Fetch {first} then {second}, and say when both are in."
+LANES = 3
+MAX_RESUMES = 3
+BARRIER_TIMEOUT = 60.0
+MATRIX_TIMEOUT = 300.0
+"""A hang guard for one matrix, not its budget (it takes well under a minute on 2 cores)."""
+STOP_HOOK = "SOPHOS_LAB_STOP_AFTER_EVENT"
+
+
+# --- processes: barriers on the child's stream, its stop and its servers' exit ---------------
+
+
+def wait_event_id(child: LabWorker, event_id: int, timeout: float = BARRIER_TIMEOUT) -> dict[str, Any]:
+    """Block until the latest command's stream shows the run event with id `event_id`."""
+    deadline = time.monotonic() + timeout
+    index = child.log.mark
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no event {event_id} within {timeout} s: {child.events()}")
+        new = child.log.events_since(index, remaining)
+        for event in new:
+            if event.get("id") == event_id:
+                return event
+            if event["event"] in (*FATAL_EVENTS, "rejected"):
+                raise ChildFailed(f"{event} before event {event_id}")
+        index += len(new)
+
+
+def wait_stopped(pid: int) -> None:
+    """Block until the child has stopped itself (it may read its line before the SIGSTOP)."""
+    _, status = os.waitpid(pid, os.WUNTRACED)
+    if not os.WIFSTOPPED(status):
+        raise ChildFailed(f"the child ended (wait status {status}) instead of stopping")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (the MCP servers a worker started), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def wait_gone(pids: list[int], timeout: float = BARRIER_TIMEOUT) -> None:
+    """Block until each process has exited (a pidfd turns readable then). A killed worker's MCP
+    servers outlive it until they read the end of their stdin; a request one had in flight
+    reaches the web server before it exits, so counting after this is exact."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"process {pid} of the killed worker still runs after {timeout} s")
+        finally:
+            os.close(fd)
+
+
+# --- what a point is and what it found ------------------------------------------------------
+
+
+def describe(event: dict[str, Any]) -> str:
+    if event["event"] == "trace":
+        data = event["data"]
+        return f"trace {data['event']} {data['node']}@{data['step']}"
+    return event["event"]
+
+
+def transcript(messages: list[dict[str, Any]], web_url: str) -> list[dict[str, Any]]:
+    """Messages without their generated ids, with the lane's web address as `<web>`."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.replace(web_url, "<web>")
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items() if k not in ("id", "toolCallId")}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return [plain(message) for message in messages]
+
+
+def answered(messages: list[dict[str, Any]]) -> bool:
+    """Whether the thread ends with the model's answer (nothing left to resume)."""
+    return bool(messages) and messages[-1]["role"] == "assistant" and not messages[-1].get("toolCalls")
+
+
+@dataclass
+class Reference:
+    """The uninterrupted run: its events, its transcript and each page's repeat window."""
+
+    events: list[dict[str, Any]]
+    transcript: list[dict[str, Any]]
+    windows: dict[str, range]
+    """Per page, the kill points inside its tools step before the step is reported finished."""
+    seconds: float
+    model_calls: int
+
+    def kept_at_least(self, n: int) -> int:
+        """The messages a recovery after point `n` must keep: the user's, plus one per step
+        reported finished by events 1..n (each step of the script adds one message)."""
+        finished = [e["data"]["step"] for e in self.events[:n]
+                    if e["event"] == "trace" and e["data"]["event"] in ("call", "result", "leave")]
+        return 1 + max(finished, default=0)
+
+    @property
+    def points(self) -> int:
+        return len(self.events)
+
+
+def repeat_windows(events: list[dict[str, Any]]) -> dict[str, range]:
+    """For each tools step: from its `enter` to the first event reporting it finished."""
+    windows: dict[str, range] = {}
+    page = None
+    for index, event in enumerate(events, 1):
+        data = event["data"] if event["event"] == "trace" else None
+        if data and data["event"] == "call":
+            page = next(p for p in PAGES if data["data"]["arguments"]["url"].endswith("/" + p))
+        if data and data["node"] == "tools" and data["event"] == "enter":
+            done = next(
+                i for i, later in enumerate(events[index:], index + 1)
+                if later["event"] == "trace" and later["data"]["step"] == data["step"]
+                and later["data"]["event"] in ("result", "leave")
+            )
+            windows[page] = range(index, done)
+    return windows
+
+
+@dataclass
+class Point:
+    n: int
+    event: str
+    disk: str = "?"
+    """The run rows on disk once the child is gone, before recovery (read-only)."""
+    child_end: str = "-"
+    """The last run event the child wrote (after the point: the drain's honest outcome)."""
+    recovered: str = "?"
+    next: str = "?"
+    kept: int | None = None
+    """Messages in the thread after recovery, before any resume."""
+    model_calls: int | None = None
+    resumes: int = 0
+    fetches: dict[str, int] = field(default_factory=dict)
+    same: bool = False
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def run_statuses(db_path: Path, conversation: str) -> str:
+    runs = peek_runs(db_path, conversation)
+    return ",".join(
+        status + (f"/{code}" if code else "") for status, code in zip(runs["status"], runs["error_code"])
+    ) or "(none)"
+
+
+def table(mode: str, points: list[Point], reference: Reference) -> str:
+    head = (f"{'pt':>3}  {'event':<22} {'disk after ' + mode:<24} {'child wrote':<20} "
+            f"{'after recovery':<26} {'next':<9} {'kept':>4} {'min':>3} {'res':>3}  {'fetches':<7} "
+            f"{'model':>5}  {'same':<5} s")
+    lines = [f"crash matrix, {mode}: {len(points)} kill points "
+             f"(repeat allowed at points {', '.join(f'{p}: {list(w)}' for p, w in reference.windows.items())})",
+             head, "-" * len(head)]
+    for p in points:
+        fetched = "/".join(str(p.fetches.get(page, "?")) for page in PAGES)
+        lines.append(
+            f"{p.n:>3}  {p.event:<22} {p.disk:<24} {p.child_end:<20} {p.recovered:<26} {p.next:<9} "
+            f"{'?' if p.kept is None else p.kept:>4} {reference.kept_at_least(p.n):>3} {p.resumes:>3}  "
+            f"{fetched:<7} {'?' if p.model_calls is None else p.model_calls:>5}  "
+            f"{'yes' if p.same else 'NO':<5} {p.seconds:.1f}"
+        )
+    lines.append(f"(kept/min: messages after recovery, the input's pending one included / at least; "
+                 f"fetches: {' / '.join(PAGES)}; "
+                 f"model: chat requests, {reference.model_calls} uninterrupted)")
+    failing = [p for p in points if p.problems]
+    for p in failing:
+        lines.append(f"FAIL point {p.n} ({p.event}): " + "; ".join(p.problems))
+    same = sum(p.same for p in points)
+    lines.append(f"{same} of {len(points)} kill points recover to the same transcript"
+                 + (f"; {len(points) - len(failing)} of {len(points)} pass every check" if failing else ""))
+    return "\n".join(lines)
+
+
+# --- lanes: a lab each, points in sequence, the next worker started ahead --------------------
+
+
+class Lane:
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.message = MESSAGE.format(first=lab.page(PAGES[0]), second=lab.page(PAGES[1]))
+
+    def files(self, label: str) -> dict[str, str]:
+        folder = self.lab.root / "points" / label
+        folder.mkdir(parents=True)
+        return {
+            "DATABASE_PATH": str(folder / "sophos.db"),
+            "MEMORY_FILE_PATH": str(folder / "memory.jsonl"),
+            "LEDGER_PATH": str(folder / "ledger.db"),
+        }
+
+    def start(self, label: str, stop_after: int | None) -> tuple[LabWorker, dict[str, str]]:
+        files = self.files(label)
+        hook = {STOP_HOOK: str(stop_after)} if stop_after else {}
+        return self.lab.worker(**files, **hook), files
+
+    def fetch_counts(self) -> dict[str | None, int]:
+        """Per page its fetches so far, and the model's chat requests under `None`."""
+        return {**{page: self.lab.fetches(page) for page in PAGES}, None: self.lab.model_calls()}
+
+    def since(self, before: dict[str | None, int]) -> dict[str | None, int]:
+        return {page: count - before[page] for page, count in self.fetch_counts().items()}
+
+
+async def reference_run(lane: Lane) -> Reference:
+    started = time.monotonic()
+    before = lane.fetch_counts()
+    child, files = await asyncio.to_thread(lane.start, "reference", None)
+    with child:
+        child.chat(lane.message)
+        final = await asyncio.to_thread(child.wait_final)
+        assert final["event"] == "end" and final["data"]["status"] == "completed", final
+        events = child.events()
+    conversation = events[0]["data"]["conversation"]
+    service = lane.lab.service(**files)
+    try:
+        detail = await service.get_conversation(conversation)
+    finally:
+        await service.aclose()
+    assert [e["id"] for e in events] == list(range(1, len(events) + 1))
+    counts = lane.since(before)
+    model_calls = counts.pop(None)
+    assert counts == {page: 1 for page in PAGES}
+    assert [m["role"] for m in detail.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    steps = [e["data"]["step"] for e in events if e["event"] == "trace" and e["data"]["event"] == "enter"]
+    assert steps == [1, 2, 3, 4, 5]  # one message per step (see Reference.kept_at_least)
+    windows = repeat_windows(events)
+    assert set(windows) == set(PAGES), windows
+    return Reference(events, transcript(detail.messages, lane.lab.web.url), windows,
+                     time.monotonic() - started, model_calls)
+
+
+async def run_point(lane: Lane, child: LabWorker, files: dict[str, str], mode: str, n: int,
+                    reference: Reference) -> Point:
+    started = time.monotonic()
+    point = Point(n, describe(reference.events[n - 1]))
+    db_path = Path(files["DATABASE_PATH"])
+    before = await asyncio.to_thread(lane.fetch_counts)
+    try:
+        child.chat(lane.message)
+        await asyncio.to_thread(wait_event_id, child, n)
+        await asyncio.to_thread(wait_stopped, child.pid)
+        servers = descendants(child.pid)  # stable: a stopped child starts nothing
+        conversation = child.events()[0]["data"]["conversation"]
+        if mode == "SIGKILL":
+            code = await asyncio.to_thread(child.kill)
+        else:
+            os.kill(child.pid, signal.SIGTERM)  # pending while stopped ...
+            os.kill(child.pid, signal.SIGCONT)  # ... and handled right at the point
+            code = await asyncio.to_thread(child.proc.wait, BARRIER_TIMEOUT)
+        await asyncio.to_thread(child.log.wait_for, EXITED, BARRIER_TIMEOUT, 0)  # every line read
+        await asyncio.to_thread(wait_gone, servers)
+    finally:
+        child.close()
+    written = [e for e in child.log.events if "id" in e and e["id"] > n]
+    if written:
+        last = written[-1]
+        point.child_end = last["event"] + (f" {last['data'].get('code') or last['data'].get('status')}"
+                                           if last["event"] in ("end", "chat-error") else "")
+    point.disk = run_statuses(db_path, conversation)
+    if mode == "SIGKILL":
+        if code != -signal.SIGKILL:
+            point.problems.append(f"the child exited with {code}, not by SIGKILL")
+        if written:
+            point.problems.append(f"the child wrote {describe(written[0])} after the point: the stop is not exact")
+    else:
+        if code != 0:
+            point.problems.append(f"the child exited with {code} after SIGTERM, not 0")
+        # Honest: the child recorded its own run, as interrupted/SHUTDOWN or completed.
+        if point.disk not in ("interrupted/SHUTDOWN", "completed"):
+            point.problems.append(f"after SIGTERM the run is {point.disk} on disk, "
+                                  "not interrupted/SHUTDOWN or completed")
+        expected_end = {"interrupted/SHUTDOWN": "chat-error SHUTDOWN", "completed": "end completed"}
+        if point.disk in expected_end and point.child_end not in (expected_end[point.disk], "-"):
+            point.problems.append(f"the child said {point.child_end} but recorded {point.disk}")
+
+    service = lane.lab.service(**files)
+    final: list[dict[str, Any]] = []
+    try:
+        try:
+            detail = await service.get_conversation(conversation)  # the first open recovers
+        except SophosError as error:
+            point.problems.append(f"after recovery: {error.code} {error.message}")
+            detail = None
+        if detail is not None:
+            point.recovered = run_statuses(db_path, conversation)
+            point.next = ",".join(detail.next) or "-"
+            # next=__start__: the input checkpoint, whose pending write holds the user's message.
+            point.kept = len(detail.messages) + (detail.next == ("__start__",))
+            if point.kept and point.kept < reference.kept_at_least(n):
+                point.problems.append(
+                    f"recovery kept {point.kept} messages (next={point.next}), but event "
+                    f"{n} or one before had reported step {reference.kept_at_least(n) - 1} finished: "
+                    "that step runs again")
+            if not detail.resumable and not answered(detail.messages):
+                point.problems.append(
+                    f"neither resumable nor answered after recovery (next={point.next}, "
+                    f"{len(detail.messages)} messages): the accepted message was lost")
+            if "running" in point.recovered:
+                point.problems.append(f"a run is still running after recovery: {point.recovered}")
+            while detail.resumable and point.resumes < MAX_RESUMES:
+                resumed = await service.resume(conversation)
+                point.resumes += 1
+                end = await resumed.wait()
+                if end.event != "end":
+                    point.problems.append(f"resume {point.resumes} ended with {end.event} {end.data}")
+                detail = await service.get_conversation(conversation)
+            if detail.resumable:
+                point.problems.append(f"still resumable after {MAX_RESUMES} resumes (next={detail.next})")
+            final = transcript(detail.messages, lane.lab.web.url)
+    finally:
+        await service.aclose()
+
+    point.fetches = await asyncio.to_thread(lane.since, before)
+    point.model_calls = point.fetches.pop(None)
+    point.same = final == reference.transcript
+    if not point.same:
+        got = [m["role"] for m in final]
+        want = [m["role"] for m in reference.transcript]
+        point.problems.append(f"transcript differs: roles {got} instead of {want}" if got != want
+                              else "transcript differs in content")
+    users = [m for m in final if m["role"] == "user"]
+    if [m["content"] for m in users] != [reference.transcript[0]["content"]]:
+        point.problems.append(f"the user's message is there {len(users)} times, not once")
+    check = integrity(db_path)
+    if check != "ok":
+        point.problems.append(f"integrity_check: {check}")
+    for page in PAGES:
+        allowed = (1, 2) if mode == "SIGKILL" and n in reference.windows[page] else (1,)
+        if point.fetches[page] not in allowed:
+            window = reference.windows[page]
+            if mode == "SIGTERM":
+                where = "a drained shutdown lets the step under way finish and keeps its result"
+            elif n in window:
+                where = "the kill landed inside its tools step, before the step was reported finished"
+            else:
+                where = f"only a kill at points {list(window)} may repeat it"
+            point.problems.append(
+                f"{page} fetched {point.fetches[page]} times, allowed {' or '.join(map(str, allowed))} "
+                f"({where})")
+    point.seconds = time.monotonic() - started
+    return point
+
+
+async def run_lane(lane: Lane, mode: str, numbers: list[int], reference: Reference) -> list[Point]:
+    """The lane's points in order; the next point's worker starts while this one runs."""
+    points: list[Point] = []
+    starting = asyncio.ensure_future(asyncio.to_thread(lane.start, f"{mode}-{numbers[0]:02d}", numbers[0]))
+    for i, n in enumerate(numbers):
+        child, files = await starting
+        if i + 1 < len(numbers):
+            nxt = numbers[i + 1]
+            starting = asyncio.ensure_future(asyncio.to_thread(lane.start, f"{mode}-{nxt:02d}", nxt))
+        try:
+            points.append(await run_point(lane, child, files, mode, n, reference))
+        except Exception as error:  # keep the table: one broken point must not hide the others
+            child.close()
+            broken = Point(n, describe(reference.events[n - 1]))
+            broken.problems.append(f"the point itself broke: {type(error).__name__}: {error}")
+            points.append(broken)
+    return points
+
+
+async def run_matrix(lanes: list[Lane], mode: str, reference: Reference) -> list[Point]:
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=4 * len(lanes) + 4))
+    numbers = list(range(1, reference.points + 1))
+    per_lane = [numbers[i::len(lanes)] for i in range(len(lanes))]
+    results = await asyncio.gather(*(
+        run_lane(lane, mode, mine, reference) for lane, mine in zip(lanes, per_lane) if mine
+    ))
+    return sorted((p for points in results for p in points), key=lambda p: p.n)
+
+
+# --- the tests ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def matrix(lab_home):
+    labs = [Lab.setup(f"tests-crash-matrix-{i}", quiet=True) for i in range(LANES)]
+    try:
+        lanes = [Lane(lab) for lab in labs]
+        reference = asyncio.run(asyncio.wait_for(reference_run(lanes[0]), BARRIER_TIMEOUT))
+        yield lanes, reference
+    finally:
+        for lab in labs:
+            lab.close()
+
+
+@pytest.mark.parametrize("mode", ["SIGKILL", "SIGTERM"])
+def test_a_kill_after_any_event_recovers_to_the_same_transcript(matrix, mode):
+    lanes, reference = matrix
+    started = time.monotonic()
+    points = asyncio.run(asyncio.wait_for(run_matrix(lanes, mode, reference), MATRIX_TIMEOUT))
+    seconds = time.monotonic() - started
+    report = table(mode, points, reference) + (
+        f"\n{mode} matrix: {seconds:.1f} s for {len(points)} points on {len(lanes)} lanes "
+        f"({os.cpu_count()} cores; the reference run took {reference.seconds:.1f} s)")
+    print("\n" + report)
+    assert len(points) == reference.points
+    assert not any(p.problems for p in points), report
