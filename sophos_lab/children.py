@@ -3,7 +3,8 @@
 Both have the same small interface: `chat()` and `resume()` return at once; `wait_for()` blocks
 until the child's event stream shows a given event (a barrier, never a timer); `kill()` sends
 SIGKILL to the child's whole process group; `shutdown()` sends SIGTERM to the child alone and
-waits for it to finish its graceful path; `is_alive()`; `start()` starts a fresh child.
+waits for it to finish its graceful path; `freeze()` and `thaw()` stop and continue it
+(SIGSTOP, SIGCONT); `is_alive()`; `start()` starts a fresh child.
 MCP stdio servers run in sessions of their own (the MCP client's choice), so a kill does not
 reach them directly: they exit when the dead child's end of their stdin closes.
 """
@@ -150,6 +151,14 @@ class _Child(abc.ABC):
 
     def events(self) -> list[dict[str, Any]]:
         return self.log.of_command()
+
+    def freeze(self) -> None:
+        """SIGSTOP: the child stops where it is, alive but unable to renew its lease."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT: a frozen child carries on from where it stopped."""
+        os.kill(self.pid, signal.SIGCONT)
 
     def __enter__(self):
         return self

@@ -204,3 +204,136 @@ def test_a_read_only_peek_does_not_recover(left_running):
 def test_a_clean_file_recovers_nothing(store):
     store.list_runs()
     assert store.recovered_runs == 0
+
+
+# --- schema version 2: an old file upgrades in place ----------------------------------------
+
+
+def test_a_version_1_file_upgrades_in_place_keeping_its_rows(db_path):
+    """A file as version 1 wrote it: the tables of the first migration, one finished run and one
+    left `running` (its process died). Opening it adds the ownership columns and table."""
+    from sophos_lab.store import MIGRATIONS
+
+    conn = sqlite3.connect(db_path)
+    conn.executescript(f"BEGIN; {MIGRATIONS[0]}; PRAGMA user_version = 1; COMMIT;")
+    conn.execute("INSERT INTO conversations VALUES (?, 'hello', 't0', 't1', 2)", (CONVERSATION,))
+    conn.execute("INSERT INTO runs VALUES ('run-1', ?, 'completed', NULL, NULL, 't0', 't1')", (CONVERSATION,))
+    conn.execute("INSERT INTO runs VALUES ('run-2', ?, 'running', NULL, NULL, 't2', NULL)", (CONVERSATION,))
+    conn.commit()
+    conn.close()
+
+    store = reopen(db_path)
+    try:
+        assert user_version(db_path) == 2
+        assert "owners" in tables(db_path)
+        [conversation] = store.list_conversations()
+        assert (conversation.title, conversation.message_count) == ("hello", 2)
+        first, second = store.list_runs(CONVERSATION)
+        assert (first.status, first.owner_id, first.input) == ("completed", None, None)
+        assert second.status == "interrupted"  # no owner recorded: nobody can still be running it
+        assert store.recovered_runs == 1
+        store.start_run("run-3", CONVERSATION, [{"id": "m1", "content": "hi"}])
+        assert store.get_run("run-3").owner_id == store.owner.id
+    finally:
+        store.close()
+
+
+# --- ownership: only runs of gone owners are recovered --------------------------------------
+
+
+def a_dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def left_by(db_path, run_id: str, **owner) -> None:
+    """A `running` run owned by an owner row with these fields (the others like this process)."""
+    import time
+
+    from sophos_lab.ownership import Owner
+
+    store = Store(db_path)
+    store.conn  # noqa: B018
+    if CONVERSATION not in [c.id for c in store.list_conversations()]:
+        store.create_conversation(CONVERSATION, "hello")
+    here = Owner.here()
+    row = {
+        "id": f"owner-{run_id}", "host": here.host, "boot_id": here.boot_id, "pid": here.pid,
+        "pid_started": here.pid_started, "opened_at": "t0", "lease_expires_at": time.time() + 60,
+        **owner,
+    }
+    store.conn.execute(
+        "INSERT INTO owners VALUES (:id, :host, :boot_id, :pid, :pid_started, :opened_at, :lease_expires_at)", row
+    )
+    store.conn.execute(
+        "INSERT INTO runs (id, conversation_id, status, started_at, owner_id) VALUES (?, ?, 'running', 't0', ?)",
+        (run_id, CONVERSATION, row["id"]),
+    )
+    store.conn.execute("DELETE FROM owners WHERE id = ?", (store.owner.id,))
+    store.conn.close()  # as a process that dies: its own owner row is gone, the others stay
+    store._conn = None
+
+
+@pytest.mark.parametrize(
+    ("owner", "recovered"),
+    [
+        ({}, False),  # this very process, lease valid: alive
+        ({"pid": "DEAD"}, True),  # same host, its process is gone: at once
+        ({"pid_started": "1"}, True),  # same pid number, another process: the pid was reused
+        ({"lease_expires_at": 0.0}, True),  # alive but stopped renewing: frozen or hung
+        ({"host": "elsewhere", "pid": 1}, False),  # another host within its lease
+        ({"host": "elsewhere", "pid": 1, "lease_expires_at": 0.0}, True),  # another host, lease out
+        ({"boot_id": "an-earlier-boot"}, True),  # this host rebooted since
+    ],
+    ids=["alive", "dead-pid", "reused-pid", "lease-expired", "other-host", "other-host-expired", "rebooted"],
+)
+def test_recovery_relabels_a_run_only_when_its_owner_is_gone(db_path, owner, recovered):
+    if owner.get("pid") == "DEAD":
+        owner["pid"] = a_dead_pid()
+    left_by(db_path, "run-1", **owner)
+    store = reopen(db_path)
+    try:
+        assert store.get_run("run-1").status == ("interrupted" if recovered else "running")
+        assert store.recovered_runs == int(recovered)
+    finally:
+        store.close()
+
+
+def test_a_live_owner_s_run_refuses_a_second_run_on_its_conversation(db_path):
+    left_by(db_path, "run-1")
+    store = reopen(db_path)
+    try:
+        with pytest.raises(SophosError) as refused:
+            store.start_run("run-2", CONVERSATION)
+        assert refused.value.code == SESSION_IN_PROGRESS
+        assert [run.id for run in store.list_runs(CONVERSATION)] == ["run-1"]
+    finally:
+        store.close()
+
+
+def test_an_outcome_is_not_recorded_for_a_run_another_owner_took_over(db_path):
+    store = Store(db_path)
+    store.create_conversation(CONVERSATION, "hello")
+    store.start_run("run-1", CONVERSATION)
+    store.conn.execute("UPDATE runs SET status = 'interrupted' WHERE id = 'run-1'")  # taken over
+    try:
+        assert store.finish_run("run-1", "completed", 4) is False
+        assert store.get_run("run-1").status == "interrupted"
+        assert store.get_conversation(CONVERSATION).message_count == 0
+    finally:
+        store.close()
+
+
+def test_single_owner_mode_relabels_every_running_run_as_the_original_did(db_path):
+    left_by(db_path, "run-1")  # a live owner: this process
+    store = Store(db_path, single_owner=True)
+    try:
+        store.list_runs()
+        assert store.get_run("run-1").status == "interrupted"
+    finally:
+        store.close()
