@@ -530,7 +530,8 @@ class ChildBackend:
         orphaned = status == "running" and last["id"] not in self._live_runs()
         return ThreadDetail(
             conversation_id=conversation_id, messages=messages, next=next_nodes,
-            resumable=bool(next_nodes) and (status != "running" or orphaned), run_status=status,
+            resumable=bool(next_nodes or any(m.get("pending") for m in messages))
+            and (status != "running" or orphaned), run_status=status,
             error=None if last is None else recorded_error(status, _text(last["error_code"]), _text(last["error_message"])),
             orphaned=orphaned,
         )

@@ -20,8 +20,12 @@ import pandas as pd
 from .export import checkpoint_record
 from .messages import message_dtos
 from .service import parse_conversation_id, thread_config
+from .store import unapplied_input
 
-RUN_COLUMNS = ["id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at"]
+RUN_COLUMNS = [
+    "id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at",
+    "owner_id", "input",
+]
 CONVERSATION_COLUMNS = ["id", "title", "created_at", "updated_at", "message_count"]
 CHECKPOINT_COLUMNS = [
     "step", "source", "next", "message_count", "last_role", "run_id", "checkpoint_id", "created_at",
@@ -155,13 +159,26 @@ def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
     return _plain(pd.DataFrame(records, columns=WRITE_COLUMNS))
 
 
+def _pending(runs: pd.DataFrame, history: list[Any]) -> list[dict[str, str]]:
+    """The latest run's messages if they never reached the thread (see `store.unapplied_input`)."""
+    if not len(runs):
+        return []
+    latest = runs.iloc[-1]
+    written_by = (history[-1].metadata or {}).get("run_id") if history else None
+    return unapplied_input(latest["id"], latest.get("input"), written_by)
+
+
 def thread_view(db_path: str | Path, conversation: str) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
     """The thread's latest checkpoint as the chat widget shows it: its messages (dicts, with
-    tool-call arguments) and `next` (empty when nothing was checkpointed)."""
+    tool-call arguments) and `next` (empty when nothing was checkpointed). A message that was
+    accepted but never reached the thread comes last, marked `pending`."""
     history = _history(db_path, conversation)
-    if not history:
-        return [], ()
-    return message_dtos(history[-1].values.get("messages", [])), tuple(history[-1].next)
+    messages = message_dtos(history[-1].values.get("messages", [])) if history else []
+    pending = [
+        {"id": m["id"], "role": "user", "content": m["content"], "pending": True}
+        for m in _pending(peek_runs(db_path, conversation), history)
+    ]
+    return messages + pending, tuple(history[-1].next) if history else ()
 
 
 def messages(db_path: str | Path, conversation: str) -> pd.DataFrame:
@@ -183,7 +200,8 @@ def messages(db_path: str | Path, conversation: str) -> pd.DataFrame:
 def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
     """What the seed's `state()` shell helper prints: runs, the last checkpoint, resumable, roles.
 
-    `resumable` here is `next` non-empty and no run of this conversation recorded `running`.
+    `resumable` here is `next` non-empty (or a message accepted that never reached the thread,
+    listed in `pending`) and no run of this conversation recorded `running`.
     """
     conversation = parse_conversation_id(conversation)  # None would read every run
     runs = peek_runs(db_path, conversation)
@@ -191,13 +209,15 @@ def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
     last = checkpoint_record(history[-1]) if history else None
     dtos = message_dtos(history[-1].values.get("messages", [])) if history else []
     busy = bool((runs["status"] == "running").any()) if len(runs) else False
+    pending = _pending(runs, history)
     return {
         "runs": [(row.status, row.error_code) for row in runs.itertuples()],
         "last_checkpoint": None if last is None else {
             "step": last["step"], "next": last["next"], "message_count": last["message_count"],
         },
-        "resumable": bool(last and last["next"]) and not busy,
+        "resumable": bool((last and last["next"]) or pending) and not busy,
         "roles": [m["role"] for m in dtos],
+        "pending": [m["content"] for m in pending],
     }
 
 

@@ -39,7 +39,7 @@ from .events import DurableGate, Event, StreamTranslator
 from .export import checkpoint_jsonl, markdown_transcript
 from .messages import message_dtos
 from .settings import Settings
-from .store import Conversation, Run, Store
+from .store import Conversation, Run, Store, unapplied_input
 from .tools import McpTools
 
 log = logging.getLogger(__name__)
@@ -318,17 +318,11 @@ class AgentService:
             return write(*args)
 
     def _pending_input(self, conversation_id: str, state: Any) -> list[dict[str, str]]:
-        """The messages of the latest run if they never reached the thread, else [].
-
-        Every checkpoint carries the id of the run that wrote it, so the latest run's input is
-        in the thread exactly when the latest checkpoint is that run's.
-        """
+        """The messages of the latest run if they never reached the thread, else []."""
         latest = self.store.latest_run(conversation_id)
-        if latest is None or not latest.input:
+        if latest is None:
             return []
-        if (state.metadata or {}).get("run_id") == latest.id:
-            return []
-        return latest.input_messages
+        return unapplied_input(latest.id, latest.input, (state.metadata or {}).get("run_id"))
 
     async def _launch(
         self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None

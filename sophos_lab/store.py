@@ -104,9 +104,16 @@ class Run:
     input: str | None = None
     """The user's messages this run adds to the thread, as JSON `[{"id", "content"}]`."""
 
-    @property
-    def input_messages(self) -> list[dict[str, str]]:
-        return json.loads(self.input) if self.input else []
+
+def unapplied_input(run_id: str, run_input: str | None, checkpoint_run_id: str | None) -> list[dict[str, str]]:
+    """The messages a conversation's latest run carries, if they never reached its thread.
+
+    Every checkpoint names the run that wrote it, so the run's input is in the thread exactly
+    when the thread's latest checkpoint is that run's.
+    """
+    if not run_input or checkpoint_run_id == run_id:
+        return []
+    return json.loads(run_input)
 
 
 def utc_now() -> str:

@@ -141,3 +141,31 @@ def test_a_killed_child_leaves_a_conversation_that_resume_finishes(lab, env):
     finally:
         chat.close()
         child.close()
+
+
+def test_a_child_killed_right_after_started_offers_resume_and_answers_that_message(lab, env):
+    """The child stops itself right after writing `started`, then dies: the message it accepted
+    is shown (pending), Resume is offered, and the resume answers that very message."""
+    child = lab.worker(**env, SOPHOS_LAB_STOP_AFTER_EVENT="1")
+    chat = ChatWidget.for_child(child)
+    vm = chat.view_model
+    try:
+        send(chat, "hello, keep me")
+        child.wait_for("started")
+        assert child.kill() == -9
+        assert chat.join(30)
+        del child.env["SOPHOS_LAB_STOP_AFTER_EVENT"]  # the child Resume starts runs to the end
+
+        chat.reload_button.click()
+        assert [(m.kind, m.text) for m in vm.transcript] == [("user", "hello, keep me")]
+        assert chat.resume_visible
+
+        chat.resume_button.click()  # a fresh child (its first open relabels the dead run)
+        assert chat.join(60)
+        assert vm.error is None and not chat.resume_visible
+        assert [m.kind for m in vm.transcript] == ["user", "assistant"]
+        assert vm.transcript[0].text == "hello, keep me"
+        assert statuses(env["DATABASE_PATH"], vm.conversation_id) == ["interrupted", "completed"]
+    finally:
+        chat.close()
+        child.close()
