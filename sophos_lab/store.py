@@ -255,6 +255,7 @@ class Store:
                         self.recovered_runs = recover_interrupted_runs(conn)
                     else:
                         self.recovered_runs = self.recover()
+                        forget_gone_owners(conn, owner)  # those that died holding no run
                 except BaseException:
                     self._conn = None
                     conn.close()
