@@ -52,7 +52,8 @@ class ConversationSummary:
 @dataclass(frozen=True)
 class TranscriptItem:
     """One thing in the transcript: a `user` or `assistant` message, a `tool_call` chip or a
-    `tool_result` (whose `status` is `success` or `error`)."""
+    `tool_result` (whose `status` is `success` or `error`). A `user` message with status
+    `pending` was accepted but has not reached the thread (a resume answers it)."""
 
     kind: str
     text: str = ""
@@ -113,7 +114,7 @@ def transcript_from_messages(messages: list[dict[str, Any]]) -> list[TranscriptI
     for message in messages:
         role = message["role"]
         if role == "user":
-            items.append(TranscriptItem("user", message["content"]))
+            items.append(TranscriptItem("user", message["content"], status="pending" if message.get("pending") else ""))
         elif role == "assistant":
             if message["content"]:
                 items.append(TranscriptItem("assistant", message["content"]))

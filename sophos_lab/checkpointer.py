@@ -11,7 +11,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
@@ -35,11 +38,30 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+_LOCKS: weakref.WeakValueDictionary[tuple[int, str], asyncio.Lock] = weakref.WeakValueDictionary()
+
+
+def shared_lock(path: str | Path) -> asyncio.Lock:
+    """One lock per database file and event loop, for every saver and app write on that loop.
+
+    A saver holds its lock from its INSERT to its commit and needs the loop in between; a
+    synchronous app write that waited on SQLite's lock meanwhile would block that very loop.
+    Sharing the lock keeps that true with several services on one loop.
+    """
+    key = (id(asyncio.get_running_loop()), str(Path(path).resolve()))
+    lock = _LOCKS.get(key)
+    if lock is None:
+        lock = _LOCKS[key] = asyncio.Lock()
+    return lock
+
+
 class NotifyingSaver(AsyncSqliteSaver):
     """An AsyncSqliteSaver that reports each committed checkpoint to its thread's listener."""
 
-    def __init__(self, conn: Any, **kwargs: Any) -> None:
+    def __init__(self, conn: Any, lock: asyncio.Lock | None = None, **kwargs: Any) -> None:
         super().__init__(conn, **kwargs)
+        if lock is not None:
+            self.lock = lock
         self.listeners: dict[str, Callable[[dict[str, Any]], None]] = {}
         """thread id → called with a checkpoint's metadata once it is committed."""
 

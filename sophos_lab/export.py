@@ -24,7 +24,9 @@ def markdown_transcript(conversation: Conversation, messages: list[dict[str, Any
         "",
     ]
     for message in messages:
-        if message["role"] == "user":
+        if message["role"] == "user" and message.get("pending"):
+            lines += ["## User (accepted, not answered yet: a resume answers it)", "", message["content"], ""]
+        elif message["role"] == "user":
             lines += ["## User", "", message["content"], ""]
         elif message["role"] == "assistant":
             lines += ["## Assistant", ""]

@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from .export import checkpoint_record
-from .messages import message_dtos
+from .messages import message_dtos, pending_dtos
 from .service import parse_conversation_id, thread_config
 from .store import unapplied_input
 
@@ -78,7 +78,7 @@ def peek_runs(db_path: str | Path, conversation: str | None = None) -> pd.DataFr
     if conversation is not None:
         where, params = "WHERE conversation_id = ?", (parse_conversation_id(conversation),)
     return _query(
-        db_path, "runs", f"SELECT * FROM runs {where} ORDER BY started_at, rowid", params, RUN_COLUMNS
+        db_path, "runs", f"SELECT * FROM runs {where} ORDER BY rowid", params, RUN_COLUMNS
     )
 
 
@@ -174,10 +174,7 @@ def thread_view(db_path: str | Path, conversation: str) -> tuple[list[dict[str, 
     accepted but never reached the thread comes last, marked `pending`."""
     history = _history(db_path, conversation)
     messages = message_dtos(history[-1].values.get("messages", [])) if history else []
-    pending = [
-        {"id": m["id"], "role": "user", "content": m["content"], "pending": True}
-        for m in _pending(peek_runs(db_path, conversation), history)
-    ]
+    pending = pending_dtos(_pending(peek_runs(db_path, conversation), history))
     return messages + pending, tuple(history[-1].next) if history else ()
 
 

@@ -49,3 +49,8 @@ def message_dto(message: BaseMessage) -> dict[str, Any] | None:
 
 def message_dtos(messages: Iterable[BaseMessage]) -> list[dict[str, Any]]:
     return [dto for dto in map(message_dto, messages) if dto is not None]
+
+
+def pending_dtos(inputs: Iterable[dict[str, str]]) -> list[dict[str, Any]]:
+    """Accepted user messages that have not reached the thread yet (see `store.unapplied_input`)."""
+    return [{"id": m["id"], "role": "user", "content": m["content"], "pending": True} for m in inputs]

@@ -85,17 +85,21 @@ class Owner:
         )
 
 
-def owner_gone(row: dict | None, me: Owner, now: float | None = None) -> bool:
+def owner_gone(row: dict | None, me: Owner) -> bool:
     """Whether the owner in `row` (a row of `owners`, None if it has none) can no longer write.
 
-    A run whose owner row is missing was left by a closed store or by a version-1 file.
+    A run whose owner row is missing was left by a closed store or by a version-1 file. On this
+    host and boot the lease is read on the monotonic clock, which all processes share and which a
+    change of the wall clock does not move; another host's lease can only be read on the wall clock.
     """
     if row is None:
         return True
-    if row["lease_expires_at"] < (time.time() if now is None else now):
-        return True
-    if row["host"] == me.host:
-        if row["boot_id"] != me.boot_id:
-            return True  # the machine rebooted since
+    if row["id"] == me.id:
+        return False  # this very store: its runs are in hand, whatever its lease says
+    if row["host"] == me.host and row["boot_id"] == me.boot_id:
+        if row["lease_expires_monotonic"] < time.monotonic():
+            return True
         return not process_alive(row["pid"], row["pid_started"])
-    return False
+    if row["host"] == me.host:
+        return True  # the machine rebooted since
+    return row["lease_expires_at"] < time.time()

@@ -33,11 +33,11 @@ from langgraph.runtime import RunControl
 
 from . import errors
 from .agent import AgentParts, build_graph, chat_model, check_config, classify_error, read_system_prompt
-from .checkpointer import NotifyingSaver, is_fenced
+from .checkpointer import NotifyingSaver, is_fenced, shared_lock
 from .errors import SophosError
 from .events import DurableGate, Event, StreamTranslator
 from .export import checkpoint_jsonl, markdown_transcript
-from .messages import message_dtos
+from .messages import message_dtos, pending_dtos
 from .settings import Settings
 from .store import Conversation, Run, Store, unapplied_input
 from .tools import McpTools
@@ -98,6 +98,8 @@ class ActiveRun:
     task: asyncio.Task | None = None
     lost: bool = False
     """Another process took the run over (this process's lease ran out)."""
+    recorded: bool = False
+    """Its outcome has been written (or refused, when it was lost): no lease to keep for it."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, name: str, data: Any) -> Event:
@@ -157,8 +159,9 @@ class AgentService:
     # reading
 
     def list_conversations(self) -> list[Conversation]:
-        if not self.active:
-            # With no run of ours writing, a synchronous write cannot wait on our own saver.
+        if self._saver is None or not self._saver.lock.locked():
+            # No saver on this loop is between its INSERT and its commit, and none can start one
+            # during this synchronous write: it cannot wait on a transaction that needs this loop.
             self.store.recover()
         return self.store.list_conversations()
 
@@ -173,9 +176,7 @@ class AgentService:
             summary = self._existing(summary.id)
         state = await graph.aget_state(thread_config(summary.id))
         pending = self._pending_input(summary.id, state)
-        messages = message_dtos(state.values.get("messages", [])) + [
-            {"id": m["id"], "role": "user", "content": m["content"], "pending": True} for m in pending
-        ]
+        messages = message_dtos(state.values.get("messages", [])) + pending_dtos(pending)
         busy = summary.id in self.active or summary.status == "running"
         return ConversationDetail(
             conversation=summary,
@@ -296,7 +297,7 @@ class AgentService:
         self.store.conn  # noqa: B018 - the first open runs migrations and recovery
         conn = await aiosqlite.connect(self.settings.database_path)
         await conn.execute("PRAGMA busy_timeout = 5000")
-        saver = NotifyingSaver(conn)
+        saver = NotifyingSaver(conn, lock=shared_lock(self.settings.database_path))
         await saver.setup()
         if not self.settings.single_owner:
             await saver.fence(self.store.owner.id)
@@ -328,8 +329,13 @@ class AgentService:
         self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None
     ) -> ActiveRun:
         run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume)
-        await self._write(self.store.start_run, run.id, conversation_id, messages, title)
-        self.active[conversation_id] = run
+
+        def start() -> None:
+            self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
+            self.store.start_run(run.id, conversation_id, messages, title)
+            self.active[conversation_id] = run
+
+        await self._write(start)
         self._keep_lease()
         run.publish("started", {"conversation": conversation_id, "run": run.id, "resume": resume})
         graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in messages]} if messages else None
@@ -343,16 +349,21 @@ class AgentService:
 
     async def _renew_lease(self) -> None:
         """While this process has runs, renew its lease; a run taken over stops at its next step."""
+        def renew() -> list[ActiveRun]:
+            # Under the lock, so a run is either recorded already or still ours to vouch for.
+            runs = [run for run in self.active.values() if not run.recorded]
+            lost = self.store.renew_lease([run.id for run in runs])
+            return [run for run in runs if run.id in lost]
+
         while self.active:
             await asyncio.sleep(self.settings.lease_seconds / 3)
-            runs = list(self.active.values())
             try:
-                lost = await self._write(self.store.renew_lease, [run.id for run in runs])
+                lost = await self._write(renew)
             except Exception:
                 log.exception("could not renew the lease of %s", self.store.owner)
                 continue
-            for run in runs:
-                if run.id in lost and not run.lost:
+            for run in lost:
+                if not run.lost:
                     run.lost = True
                     run.control.request_drain("ownership lost")
 
@@ -391,18 +402,24 @@ class AgentService:
         try:
             if count is None:
                 count = await self._message_count(graph, run.conversation)
-            record = asyncio.ensure_future(
-                self._write(self.store.finish_run, run.id, status, count, *(error or (None, None)))
-            )
+
+            def record() -> bool:
+                recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)))
+                run.recorded = True
+                return recorded
+
+            write = asyncio.ensure_future(self._write(record))
             try:
-                recorded = await asyncio.shield(record)
+                recorded = await asyncio.shield(write)
             except asyncio.CancelledError:  # a late shutdown cancel: let the write under way finish
-                recorded = await record
+                recorded = await write
             if not recorded:  # the run is another process's now: its record stands, not ours
                 run.lost = True
-        except Exception:
-            # The row stays `running`; the next process relabels it `interrupted`.
+        except Exception as exc:
+            # Not on disk, so not `end`: the row stays `running` until this process exits (then
+            # the next open relabels it) or its lease runs out.
             log.exception("could not record the outcome of run %s", run.id)
+            status, error = "failed", (errors.AGENT_FAILURE, f"The run's outcome could not be recorded: {exc}")
         gate.flush()
         if run.lost:
             error = (errors.OWNERSHIP_LOST, errors.OWNERSHIP_LOST_MESSAGE)

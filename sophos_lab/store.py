@@ -65,7 +65,8 @@ MIGRATIONS: tuple[str, ...] = (
         pid INTEGER NOT NULL,
         pid_started TEXT NOT NULL,
         opened_at TEXT NOT NULL,
-        lease_expires_at REAL NOT NULL
+        lease_expires_at REAL NOT NULL,
+        lease_expires_monotonic REAL NOT NULL
     );
     ALTER TABLE runs ADD COLUMN owner_id TEXT;
     ALTER TABLE runs ADD COLUMN input TEXT;
@@ -132,6 +133,38 @@ def schema_version(conn: sqlite3.Connection) -> int:
     return conn.execute("PRAGMA user_version").fetchone()[0]
 
 
+def use_wal(conn: sqlite3.Connection, attempts: int = 100) -> None:
+    """Switch the file to WAL. On a new file several processes may try at once, and SQLite
+    answers a switch that meets another connection with SQLITE_BUSY without waiting for it."""
+    for attempt in range(attempts):
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or attempt == attempts - 1:
+                raise
+            time.sleep(0.01)
+
+
+def migrate(conn: sqlite3.Connection) -> None:
+    """Apply the missing migrations in one write transaction.
+
+    The version is read again under the write lock: several processes may open an old (or a
+    new, empty) file at the same moment, and only the first one may migrate it.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for number in range(schema_version(conn) + 1, SCHEMA_VERSION + 1):
+            for statement in MIGRATIONS[number - 1].split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {number}")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
 def connect(path: Path) -> sqlite3.Connection:
     """Open the file for the application: WAL, busy timeout, foreign keys, migrations applied.
 
@@ -149,17 +182,14 @@ def connect(path: Path) -> sqlite3.Connection:
                 f"{SCHEMA_VERSION}. Upgrade sophos_lab or point DATABASE_PATH at another file; "
                 "the file was not changed.",
             )
-        conn.execute("PRAGMA journal_mode = WAL")
+        use_wal(conn)
         # In WAL mode NORMAL keeps every commit across a process crash (kill -9 included) and
         # saves an fsync per commit (3 ms here); only a power loss can lose the last run rows,
         # and the checkpoints, written by the saver's own connection, keep SQLite's FULL.
         conn.execute("PRAGMA synchronous = NORMAL")
         conn.execute("PRAGMA foreign_keys = ON")
-        for number in range(version + 1, SCHEMA_VERSION + 1):
-            # executescript commits on its own, so the version bump goes inside the script.
-            conn.executescript(
-                f"BEGIN; {MIGRATIONS[number - 1]}; PRAGMA user_version = {number}; COMMIT;"
-            )
+        if version < SCHEMA_VERSION:
+            migrate(conn)
     except BaseException:
         conn.close()
         raise
@@ -168,8 +198,8 @@ def connect(path: Path) -> sqlite3.Connection:
 
 
 _RUNNING_SQL = """
-SELECT r.id AS run_id, o.host, o.boot_id, o.pid, o.pid_started, o.lease_expires_at,
-       o.id IS NOT NULL AS has_owner
+SELECT r.id AS run_id, o.id, o.host, o.boot_id, o.pid, o.pid_started, o.lease_expires_at,
+       o.lease_expires_monotonic, o.id IS NOT NULL AS has_owner
 FROM runs r LEFT JOIN owners o ON o.id = r.owner_id
 WHERE r.status = 'running'"""
 
@@ -179,11 +209,9 @@ def stale_runs(conn: sqlite3.Connection, me: Owner, conversation_id: str | None 
     sql, params = _RUNNING_SQL, ()
     if conversation_id is not None:
         sql, params = sql + " AND r.conversation_id = ?", (conversation_id,)
-    now = time.time()
     return [
-        row["run_id"]
-        for row in conn.execute(sql, params)
-        if owner_gone(dict(row) if row["has_owner"] else None, me, now)
+        row["run_id"] for row in conn.execute(sql, params)
+        if owner_gone(dict(row) if row["has_owner"] else None, me)
     ]
 
 
@@ -201,14 +229,13 @@ def relabel_interrupted(conn: sqlite3.Connection, run_ids: list[str]) -> int:
 
 def forget_gone_owners(conn: sqlite3.Connection, me: Owner) -> None:
     """Delete the rows of gone owners that no longer hold a `running` run."""
-    now = time.time()
     gone = [
         row["id"] for row in conn.execute(
             "SELECT * FROM owners WHERE id != ? AND id NOT IN"
             " (SELECT owner_id FROM runs WHERE status = 'running' AND owner_id IS NOT NULL)",
             (me.id,),
         )
-        if owner_gone(dict(row), me, now)
+        if owner_gone(dict(row), me)
     ]
     conn.executemany("DELETE FROM owners WHERE id = ?", [(owner_id,) for owner_id in gone])
 
@@ -290,11 +317,12 @@ class Store:
 
     def _lease_statement(self, owner: Owner) -> tuple[str, tuple]:
         return (
-            "INSERT INTO owners (id, host, boot_id, pid, pid_started, opened_at, lease_expires_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT (id) DO UPDATE SET lease_expires_at = excluded.lease_expires_at",
+            "INSERT INTO owners (id, host, boot_id, pid, pid_started, opened_at, lease_expires_at,"
+            " lease_expires_monotonic) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (id) DO UPDATE SET lease_expires_at = excluded.lease_expires_at,"
+            " lease_expires_monotonic = excluded.lease_expires_monotonic",
             (owner.id, owner.host, owner.boot_id, owner.pid, owner.pid_started, utc_now(),
-             time.time() + self.lease_seconds),
+             time.time() + self.lease_seconds, time.monotonic() + self.lease_seconds),
         )
 
     def _register(self, owner: Owner) -> None:
@@ -437,7 +465,7 @@ class Store:
 
     def latest_run(self, conversation_id: str) -> Run | None:
         row = self.conn.execute(
-            "SELECT * FROM runs WHERE conversation_id = ? ORDER BY started_at DESC, rowid DESC LIMIT 1",
+            "SELECT * FROM runs WHERE conversation_id = ? ORDER BY rowid DESC LIMIT 1",
             (conversation_id,),
         ).fetchone()
         return Run(**row) if row else None
@@ -447,7 +475,7 @@ class Store:
         sql, params = "SELECT * FROM runs", ()
         if conversation_id is not None:
             sql, params = sql + " WHERE conversation_id = ?", (conversation_id,)
-        rows = self.conn.execute(sql + " ORDER BY started_at, rowid", params)
+        rows = self.conn.execute(sql + " ORDER BY rowid", params)  # insertion order: clocks step back
         return [Run(**row) for row in rows]
 
 
@@ -456,5 +484,5 @@ SELECT c.id, c.title, c.created_at, c.updated_at, c.message_count,
        r.status, r.error_code, r.error_message
 FROM conversations c
 LEFT JOIN runs r ON r.rowid = (
-    SELECT rowid FROM runs WHERE conversation_id = c.id ORDER BY started_at DESC, rowid DESC LIMIT 1
+    SELECT rowid FROM runs WHERE conversation_id = c.id ORDER BY rowid DESC LIMIT 1
 )"""

@@ -68,7 +68,8 @@ def item_html(item: TranscriptItem) -> str:
     text = html.escape(item.text)
     if item.kind in ("user", "assistant"):
         role = "you" if item.kind == "user" else "agent"
-        return f'<div class="sx-msg sx-{item.kind}"><span class="sx-role">{role}</span>{text}</div>'
+        note = '<span class="sx-status"> · saved, not answered yet: Resume answers it</span>' if item.status == "pending" else ""
+        return f'<div class="sx-msg sx-{item.kind}"><span class="sx-role">{role}</span>{text}{note}</div>'
     if item.kind == "tool_call":
         arguments = html.escape(json.dumps(item.arguments or {}, ensure_ascii=False))
         return f'<div class="sx-chip">🔧 {html.escape(item.name)} {arguments}</div>'

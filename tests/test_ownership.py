@@ -129,9 +129,9 @@ def test_a_frozen_owner_past_its_lease_is_taken_over_and_writes_nothing_when_it_
         conversation = hold_a_run(lab, a)
         a.freeze()
         [owner] = lab.peek_runs(conversation)["owner_id"]
-        [(expires,)] = rows(lab, "SELECT lease_expires_at FROM owners WHERE id = ?", owner)
+        [(expires,)] = rows(lab, "SELECT lease_expires_monotonic FROM owners WHERE id = ?", owner)
         # The one wait here is for a deadline the file itself records: A cannot renew while frozen.
-        time.sleep(max(0.0, expires - time.time()) + 0.05)
+        time.sleep(max(0.0, expires - time.monotonic()) + 0.05)
 
         b.resume(conversation)
         assert b.wait_final()["data"]["status"] == "completed"
@@ -155,3 +155,21 @@ def test_a_frozen_owner_past_its_lease_is_taken_over_and_writes_nothing_when_it_
     assert forks(lab, conversation) == []  # exactly one branch of history
     assert lab.state(conversation)["roles"] == ["user", "assistant", "tool", "assistant"]
     assert lab.fetches("wal.html") == 1
+
+
+def test_a_live_owner_renews_its_lease_and_keeps_its_run_past_the_first_lease(lab):
+    with lab.worker(SOPHOS_LAB_LEASE_SECONDS="1.5") as a, lab.worker() as b:
+        conversation = hold_a_run(lab, a)
+        [owner] = lab.peek_runs(conversation)["owner_id"]
+        [(first,)] = rows(lab, "SELECT lease_expires_monotonic FROM owners WHERE id = ?", owner)
+        time.sleep(max(0.0, first - time.monotonic()) + 0.05)  # past the lease A started with
+
+        b.resume(conversation)
+        refused = b.wait_final()
+        [(renewed,)] = rows(lab, "SELECT lease_expires_monotonic FROM owners WHERE id = ?", owner)
+        lab.model.release()
+        assert a.wait_final()["data"]["status"] == "completed"
+
+    assert (refused["event"], refused["data"]["code"]) == ("rejected", SESSION_IN_PROGRESS)
+    assert renewed > first
+    assert on_disk(lab, conversation) == ["completed"]

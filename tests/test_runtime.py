@@ -283,3 +283,17 @@ async def test_two_runs_in_one_process_both_record_their_outcome(open_service):
         finals = await asyncio.gather(*(run.wait() for run in runs))
         assert [f.event for f in finals] == ["end", "end"]
         assert {r.status for r in agent.list_runs()} == {"completed"}
+
+
+async def test_with_a_short_lease_every_final_event_matches_the_record(open_service):
+    """Lease renewals run while runs finish: none may mistake a run it just recorded for one
+    another process took over (each final event says what the runs table says)."""
+    async with open_service(SOPHOS_LAB_LEASE_SECONDS="0.3") as agent:
+        finals = []
+        for _ in range(2):  # 4 of 200 ended OWNERSHIP_LOST before renewals skipped recorded runs
+            runs = await asyncio.gather(*[agent.chat(f"hello {i}") for i in range(100)])
+            finals += [(run.id, await run.wait()) for run in runs]
+        recorded = {run.id: run.status for run in agent.list_runs()}
+
+    assert {(final.event, final.data.get("status", final.data.get("code"))) for _, final in finals} == {("end", "completed")}
+    assert set(recorded.values()) == {"completed"} and len(recorded) == 200

@@ -1,6 +1,7 @@
 """The application tables: migrations, titles, one running run per conversation, lazy recovery."""
 
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -265,10 +266,11 @@ def left_by(db_path, run_id: str, **owner) -> None:
     row = {
         "id": f"owner-{run_id}", "host": here.host, "boot_id": here.boot_id, "pid": here.pid,
         "pid_started": here.pid_started, "opened_at": "t0", "lease_expires_at": time.time() + 60,
-        **owner,
+        "lease_expires_monotonic": time.monotonic() + 60, **owner,
     }
     store.conn.execute(
-        "INSERT INTO owners VALUES (:id, :host, :boot_id, :pid, :pid_started, :opened_at, :lease_expires_at)", row
+        "INSERT INTO owners VALUES (:id, :host, :boot_id, :pid, :pid_started, :opened_at, :lease_expires_at,"
+        " :lease_expires_monotonic)", row
     )
     store.conn.execute(
         "INSERT INTO runs (id, conversation_id, status, started_at, owner_id) VALUES (?, ?, 'running', 't0', ?)",
@@ -285,12 +287,14 @@ def left_by(db_path, run_id: str, **owner) -> None:
         ({}, False),  # this very process, lease valid: alive
         ({"pid": "DEAD"}, True),  # same host, its process is gone: at once
         ({"pid_started": "1"}, True),  # same pid number, another process: the pid was reused
-        ({"lease_expires_at": 0.0}, True),  # alive but stopped renewing: frozen or hung
+        ({"lease_expires_monotonic": 0.0}, True),  # alive but stopped renewing: frozen or hung
+        ({"lease_expires_at": 0.0}, False),  # the wall clock jumped: this host reads the monotonic one
         ({"host": "elsewhere", "pid": 1}, False),  # another host within its lease
         ({"host": "elsewhere", "pid": 1, "lease_expires_at": 0.0}, True),  # another host, lease out
         ({"boot_id": "an-earlier-boot"}, True),  # this host rebooted since
     ],
-    ids=["alive", "dead-pid", "reused-pid", "lease-expired", "other-host", "other-host-expired", "rebooted"],
+    ids=["alive", "dead-pid", "reused-pid", "lease-expired", "wall-clock-jump", "other-host",
+         "other-host-expired", "rebooted"],
 )
 def test_recovery_relabels_a_run_only_when_its_owner_is_gone(db_path, owner, recovered):
     if owner.get("pid") == "DEAD":
@@ -337,3 +341,42 @@ def test_single_owner_mode_relabels_every_running_run_as_the_original_did(db_pat
         assert store.get_run("run-1").status == "interrupted"
     finally:
         store.close()
+
+
+def open_and_list(db_path: str, barrier, results) -> None:
+    """A process that opens the file as soon as every other one is ready (see below)."""
+    store = Store(Path(db_path))
+    barrier.wait()
+    try:
+        store.list_conversations()
+        results.put("ok")
+    except Exception as error:  # reported to the test, which shows it
+        results.put(f"{type(error).__name__}: {error}")
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("start", ["new", "version-1"])
+def test_processes_opening_one_file_at_once_migrate_it_once(tmp_path, start):
+    """Four processes open a new (or a version-1) file at the same moment, five times over."""
+    import multiprocessing
+
+    from sophos_lab.store import MIGRATIONS
+
+    spawn = multiprocessing.get_context("fork")  # the children only open SQLite
+    outcomes = []
+    for trial in range(5):
+        db_path = tmp_path / f"{trial}.db"
+        if start == "version-1":
+            conn = sqlite3.connect(db_path)
+            conn.executescript(f"BEGIN; {MIGRATIONS[0]}; PRAGMA user_version = 1; COMMIT;")
+            conn.close()
+        barrier, results = spawn.Barrier(4), spawn.Queue()
+        processes = [spawn.Process(target=open_and_list, args=(str(db_path), barrier, results)) for _ in range(4)]
+        for process in processes:
+            process.start()
+        outcomes += [results.get(timeout=60) for _ in processes]
+        for process in processes:
+            process.join()
+        assert user_version(db_path) == SCHEMA_VERSION
+    assert outcomes == ["ok"] * 20

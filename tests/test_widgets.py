@@ -157,13 +157,14 @@ def test_a_child_killed_right_after_started_offers_resume_and_answers_that_messa
         del child.env["SOPHOS_LAB_STOP_AFTER_EVENT"]  # the child Resume starts runs to the end
 
         chat.reload_button.click()
-        assert [(m.kind, m.text) for m in vm.transcript] == [("user", "hello, keep me")]
+        assert [(m.kind, m.text, m.status) for m in vm.transcript] == [("user", "hello, keep me", "pending")]
+        assert "not answered yet" in chat.transcript.value
         assert chat.resume_visible
 
         chat.resume_button.click()  # a fresh child (its first open relabels the dead run)
         assert chat.join(60)
         assert vm.error is None and not chat.resume_visible
-        assert [m.kind for m in vm.transcript] == ["user", "assistant"]
+        assert [(m.kind, m.status) for m in vm.transcript] == [("user", ""), ("assistant", "")]
         assert vm.transcript[0].text == "hello, keep me"
         assert statuses(env["DATABASE_PATH"], vm.conversation_id) == ["interrupted", "completed"]
     finally:
