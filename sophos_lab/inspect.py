@@ -198,7 +198,7 @@ def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
     """What the seed's `state()` shell helper prints: runs, the last checkpoint, resumable, roles.
 
     `resumable` here is `next` non-empty (or a message accepted that never reached the thread,
-    listed in `pending`) and no run of this conversation recorded `running`.
+    then listed under `pending`) and no run of this conversation recorded `running`.
     """
     conversation = parse_conversation_id(conversation)  # None would read every run
     runs = peek_runs(db_path, conversation)
@@ -214,7 +214,8 @@ def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
         },
         "resumable": bool((last and last["next"]) or pending) and not busy,
         "roles": [m["role"] for m in dtos],
-        "pending": [m["content"] for m in pending],
+        # Only when there is one, so the shape stays the seed's in every other case.
+        **({"pending": [m["content"] for m in pending]} if pending else {}),
     }
 
 
