@@ -213,8 +213,7 @@ class AgentService:
         check_config(self.settings)  # a bad mcp.json or system.md is refused with nothing written
         graph = await self._graph_ready()
         # A message accepted earlier that never reached the thread goes first: nothing is dropped.
-        carried = [] if new else self._pending_input(
-            conversation_id, await graph.aget_state(thread_config(conversation_id)))
+        carried = [] if new else await self._carried_input(graph, conversation_id)
         messages = [*carried, {"id": str(uuid.uuid4()), "content": text}]
         return await self._launch(conversation_id, messages, resume=False, title=text if new else None)
 
@@ -317,6 +316,14 @@ class AgentService:
         """
         async with self._saver.lock:
             return write(*args)
+
+    async def _carried_input(self, graph: Any, conversation_id: str) -> list[dict[str, str]]:
+        """`_pending_input` for a new message; the common case (the last run completed, so its
+        input is in the thread) reads no checkpoint."""
+        latest = self.store.latest_run(conversation_id)
+        if latest is None or not latest.input or latest.status == "completed":
+            return []
+        return self._pending_input(conversation_id, await graph.aget_state(thread_config(conversation_id)))
 
     def _pending_input(self, conversation_id: str, state: Any) -> list[dict[str, str]]:
         """The messages of the latest run if they never reached the thread, else []."""
