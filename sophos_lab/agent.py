@@ -31,6 +31,7 @@ from .settings import Settings
 from .tools import mcp_servers, model_facing, read_config_file, with_idempotency_key
 
 DEFAULT_SYSTEM_PROMPT = "You are an AI assistant with access to MCP tools."
+_NO_THINKING = re.compile(r"does not support thinking", re.IGNORECASE)
 _MODEL_NOT_FOUND = re.compile(r"model .* not found", re.IGNORECASE)
 
 
@@ -70,7 +71,10 @@ def chat_model(settings: Settings) -> BaseChatModel:
     """ChatOllama pointed at `OLLAMA_HOST` / `OLLAMA_MODEL` (the scripted model or a real Ollama)."""
     from langchain_ollama import ChatOllama
 
-    return ChatOllama(model=settings.ollama_model, base_url=settings.ollama_host)
+    # `reasoning` is sent as Ollama's `think`: False asks a thinking model not to think (the
+    # original's OLLAMA_THINK default); True streams `message.thinking`, kept in the message's
+    # additional_kwargs["reasoning_content"] and published as `reasoning` events.
+    return ChatOllama(model=settings.ollama_model, base_url=settings.ollama_host, reasoning=settings.ollama_think)
 
 
 def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):
@@ -87,6 +91,11 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):
         except Exception as error:
             if _MODEL_NOT_FOUND.search(str(error)):
                 raise ModelUnavailable(str(error)) from error
+            if _NO_THINKING.search(str(error)):
+                raise SophosError(errors.THINKING_UNSUPPORTED, (
+                    f"{error} (Ollama's words). OLLAMA_THINK=true asks every model call to think; "
+                    "unset it, or choose a model that can think."
+                )) from error
             raise
         return {"messages": [response]}
 

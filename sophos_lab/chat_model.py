@@ -51,8 +51,9 @@ class ConversationSummary:
 
 @dataclass(frozen=True)
 class TranscriptItem:
-    """One thing in the transcript: a `user` or `assistant` message, a `tool_call` chip or a
-    `tool_result` (whose `status` is `success` or `error`). A `user` message with status
+    """One thing in the transcript: a `user` or `assistant` message, the model's `reasoning`
+    (with OLLAMA_THINK=true), a `tool_call` chip or a `tool_result` (whose `status` is `success`
+    or `error`). A `user` message with status
     `pending` was accepted but has not reached the thread (a resume answers it)."""
 
     kind: str
@@ -116,6 +117,8 @@ def transcript_from_messages(messages: list[dict[str, Any]]) -> list[TranscriptI
         if role == "user":
             items.append(TranscriptItem("user", message["content"], status="pending" if message.get("pending") else ""))
         elif role == "assistant":
+            if message.get("reasoning"):
+                items.append(TranscriptItem("reasoning", message["reasoning"]))
             if message["content"]:
                 items.append(TranscriptItem("assistant", message["content"]))
             items.extend(

@@ -3,7 +3,8 @@
 Run outcomes use `AGENT_FAILURE`, `MODEL_UNAVAILABLE`, `RECURSION_LIMIT` (as in the original) and
 `SHUTDOWN` (the kit's honest cause for a run stopped by a graceful shutdown). `OWNERSHIP_LOST`
 ends a run in a process that another process has taken the run from; it is never recorded,
-because the new owner's record is the one that stands. Requests that are
+because the new owner's record is the one that stands. `THINKING_UNSUPPORTED`: OLLAMA_THINK=true
+with a model that cannot think. Requests that are
 refused before a run starts use `BAD_REQUEST`, `NOT_FOUND`, `SESSION_IN_PROGRESS` and
 `RUN_NOT_RESUMABLE`; a database the code cannot use raises `SCHEMA_TOO_NEW` or `CONFIG_ERROR`.
 """
@@ -17,6 +18,7 @@ MODEL_UNAVAILABLE = "MODEL_UNAVAILABLE"
 RECURSION_LIMIT = "RECURSION_LIMIT"
 SHUTDOWN = "SHUTDOWN"
 OWNERSHIP_LOST = "OWNERSHIP_LOST"
+THINKING_UNSUPPORTED = "THINKING_UNSUPPORTED"
 
 BAD_REQUEST = "BAD_REQUEST"
 NOT_FOUND = "NOT_FOUND"

@@ -29,6 +29,8 @@ def message_dto(message: BaseMessage) -> dict[str, Any] | None:
         dto: dict[str, Any] = {
             "id": message.id, "role": "assistant", "content": content_text(message.content)
         }
+        if message.additional_kwargs.get("reasoning_content"):  # OLLAMA_THINK=true
+            dto["reasoning"] = message.additional_kwargs["reasoning_content"]
         if message.tool_calls:
             dto["toolCalls"] = [
                 {"id": call.get("id"), "name": call["name"], "args": call["args"]}

@@ -211,10 +211,13 @@ class ScriptedModelServer(ThreadingHTTPServer):
         scripts: list[Script],
         model: str = "scripted",
         log: RequestLog | None = None,
+        thinking: bool = True,
     ) -> None:
         super().__init__(address, _Handler)
         self.scripts = scripts
         self.model = model
+        self.thinking = thinking
+        """Whether the model can think; without, `think: true` is refused as Ollama refuses it."""
         self.tag = model if ":" in model else f"{model}:latest"
         self.log = log or RequestLog()
         self.pauses = Holds()
@@ -282,6 +285,9 @@ class _Handler(JsonHandler):
         model = body.get("model")
         if not self._known(model):
             self._unknown_model(model, **entry)
+            return
+        if body.get("think") is True and not self.server.thinking:
+            self._api({"error": f'"{model}" does not support thinking'}, 400, model=model, **entry)
             return
         choice = choose_turn(self.server.scripts, messages)
         entry.update(script=choice.script, turn=choice.index)
@@ -364,7 +370,7 @@ class _Handler(JsonHandler):
                 "general.architecture": "scripted",
                 "general.description": "Scripted replies for reproducible lab runs.",
             },
-            "capabilities": ["completion", "tools", "thinking"],
+            "capabilities": ["completion", "tools", *(["thinking"] if self.server.thinking else [])],
         }
 
 
@@ -497,9 +503,12 @@ def start_scripted_model(
     log_file: str | Path | None = None,
     model: str = "scripted",
     port: int = 0,
+    thinking: bool = True,
 ) -> tuple[subprocess.Popen, str]:
     """Start the server in a child process; return it and its base URL."""
     args = ["--scripts", str(scripts_dir), "--model", model, "--port", str(port)]
+    if not thinking:
+        args.append("--no-thinking")
     if log_file is not None:
         args += ["--log", str(log_file)]
     proc, ready = spawn_module("sophos_lab.scripted_model", args)
@@ -516,11 +525,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--model", default="scripted", help="model name to answer to")
     parser.add_argument("--log", type=Path, help="append a JSON line per request here")
+    parser.add_argument("--no-thinking", action="store_true",
+                        help="answer like a model that cannot think: refuse requests with think: true")
     args = parser.parse_args(argv)
     if not args.scripts.is_dir():
         parser.error(f"--scripts {args.scripts} is not a directory")
     server = ScriptedModelServer(
-        (args.host, args.port), load_scripts(args.scripts), args.model, RequestLog(args.log)
+        (args.host, args.port), load_scripts(args.scripts), args.model, RequestLog(args.log),
+        thinking=not args.no_thinking,
     )
     serve(server, model=args.model)
 

@@ -37,6 +37,8 @@ class Settings:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     naive_shutdown: bool = False
     """Reproduce the original's shutdown (close everything, no drain) instead of draining."""
+    ollama_think: bool = False
+    """`OLLAMA_THINK`, as in the original: the model thinks only when it is `true`."""
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     """How long a process's claim on its running runs lasts unless renewed (every third of it)."""
     single_owner: bool = False
@@ -57,6 +59,7 @@ class Settings:
             database_path=_absolute(get("DATABASE_PATH", DEFAULT_DATABASE_PATH)),
             config_dir=_absolute(get("CONFIG_DIR", DEFAULT_CONFIG_DIR)),
             memory_file_path=_absolute(get("MEMORY_FILE_PATH", DEFAULT_MEMORY_FILE_PATH)),
+            ollama_think=(env.get("OLLAMA_THINK") or "").strip().lower() == "true",
             recursion_limit=_positive(env.get("AGENT_RECURSION_LIMIT"), DEFAULT_RECURSION_LIMIT, int),
             shutdown_timeout=_positive(env.get("SHUTDOWN_TIMEOUT"), DEFAULT_SHUTDOWN_TIMEOUT, float),
             naive_shutdown=_flag(env.get("SOPHOS_LAB_NAIVE_SHUTDOWN")),

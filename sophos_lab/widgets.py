@@ -70,6 +70,8 @@ def item_html(item: TranscriptItem) -> str:
         role = "you" if item.kind == "user" else "agent"
         note = '<span class="sx-status"> · saved, not answered yet: Resume answers it</span>' if item.status == "pending" else ""
         return f'<div class="sx-msg sx-{item.kind}"><span class="sx-role">{role}</span>{text}{note}</div>'
+    if item.kind == "reasoning":  # collapsed: the answer is what the learner reads first
+        return f'<details class="sx-tool sx-reasoning"><summary>💭 thinking · {len(item.text)} chars</summary><pre>{text}</pre></details>'
     if item.kind == "tool_call":
         arguments = html.escape(json.dumps(item.arguments or {}, ensure_ascii=False))
         return f'<div class="sx-chip">🔧 {html.escape(item.name)} {arguments}</div>'
