@@ -2,7 +2,8 @@
 
 The names and payloads follow the original system's wire contract:
 `token` (a string), `trace` (`{step, node, name, event, data?}` with event `enter`, `leave`,
-`call` or `result`), `end` (`{conversation, run, status}`) and `chat-error`
+`call` or `result`; a `call` carries the step and model name of the agent step that asked for it
+but `node: "tools"`, the node that will run it, exactly as the original's clients expect), `end` (`{conversation, run, status}`) and `chat-error`
 (`{code, message, conversation, run}`). The kit adds `reasoning` (the model's thinking, kept
 apart from `token` so the stream and the record agree) and `started` (`{conversation, run,
 resume}`), the first event of every run.
