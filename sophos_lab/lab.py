@@ -30,6 +30,7 @@ from . import inspect as views
 from ._proc import stop_server
 from .agent import Readiness, check_model
 from .children import LabKernel, LabWorker
+from .model_proxy import ModelProxyControl, normalize_upstream, start_model_proxy
 from .scripted_model import ScriptedModelControl, start_scripted_model
 from .settings import Settings
 from .webfixtures import WebFixturesControl, start_web_fixtures
@@ -52,34 +53,10 @@ def dead_port_url() -> str:
 def is_scripted_model(host: str) -> bool:
     """Whether `host` is a scripted model server (each lab then starts its own, for its controls)."""
     try:
-        with urllib.request.urlopen(host.rstrip("/") + "/api/version", timeout=2) as response:
+        with urllib.request.urlopen(normalize_upstream(host) + "/api/version", timeout=2) as response:
             return "scripted" in json.load(response).get("version", "")
     except (OSError, ValueError):
         return False
-
-
-@dataclass(frozen=True)
-class RealModelControls:
-    """What stands in for the scripted model's controls when a real Ollama answers.
-
-    A real model cannot be paused, so `arm` and `release` do nothing and `wait_paused` returns
-    at once: a kill then lands whenever it lands, as in the original's curl labs, and the
-    lessons' checks on exact outcomes may not hold every time.
-    """
-
-    url: str
-
-    def arm(self, pause: str) -> None:
-        pass
-
-    def wait_paused(self, timeout: float = 10.0) -> str:
-        return ""
-
-    def release(self) -> int:
-        return 0
-
-    def chat_requests(self, script: str | None = None) -> list[dict]:
-        raise RuntimeError("a real Ollama keeps no request log: only the scripted model counts calls")
 
 
 @dataclass
@@ -90,7 +67,7 @@ class Lab:
     root: Path
     ollama_host: str
     ollama_model: str
-    model: ScriptedModelControl | RealModelControls
+    model: ScriptedModelControl | ModelProxyControl
     web: WebFixturesControl
     shutdown_timeout: float = 5.0
     _servers: list[subprocess.Popen] = field(default_factory=list)
@@ -107,7 +84,8 @@ class Lab:
         quiet: bool = False,
     ) -> Lab:
         """A fresh lab: wipe `.lab/<name>/`, copy the config, start the model (unless a real
-        Ollama is named by argument or `OLLAMA_HOST`) and the web fixture server."""
+        Ollama is named by argument or `OLLAMA_HOST`: then a recording proxy in front of it) and
+        the web fixture server."""
         root = lab_home() / name
         shutil.rmtree(root, ignore_errors=True)
         (root / "logs").mkdir(parents=True)
@@ -116,9 +94,16 @@ class Lab:
         web_proc, web_url = start_web_fixtures(KIT_ROOT / "data" / "web", log_file=root / "logs" / "web-access.jsonl")
         servers.append(web_proc)
         host = ollama_host or os.environ.get("OLLAMA_HOST")
+        model_control: ScriptedModelControl | ModelProxyControl
         if host and not is_scripted_model(host):
+            # Any other Ollama-protocol server: the children talk to it through a recording
+            # proxy of this lab's, so the request log and the pause points work as with the
+            # scripted model.
             model_name = ollama_model or os.environ.get("OLLAMA_MODEL") or Settings().ollama_model
-            model_control: ScriptedModelControl | RealModelControls = RealModelControls(host)
+            proxy_proc, proxy_url = start_model_proxy(host, log_file=root / "logs" / "model-requests.jsonl")
+            servers.append(proxy_proc)
+            model_control = ModelProxyControl(proxy_url, upstream=host)
+            host = proxy_url
         else:
             model_proc, host = start_scripted_model(
                 KIT_ROOT / "data" / "scripts", log_file=root / "logs" / "model-requests.jsonl"
@@ -250,13 +235,17 @@ class Lab:
         return self.web.hits("/" + page.lstrip("/"))
 
     def model_calls(self, script: str | None = None) -> int:
-        """How many `/api/chat` requests the scripted model has answered."""
+        """How many `/api/chat` requests the model has answered (scripted, or real via the proxy)."""
         return len(self.model.chat_requests(script))
 
     # lifecycle
 
     def describe(self) -> str:
-        scripted = " (scripted: deterministic, not a language model)" if self.scripted else ""
+        if self.scripted:
+            scripted = " (scripted: deterministic, not a language model)"
+        else:
+            upstream = getattr(self.model, "upstream", "") or "?"
+            scripted = f" (real model at {upstream}, through this lab's recording proxy {self.ollama_host})"
         rows = [
             ("lab", self.name),
             ("directory", str(self.root.relative_to(KIT_ROOT) if self.root.is_relative_to(KIT_ROOT) else self.root)),
