@@ -33,6 +33,8 @@ node_modules/.installed: package.json
 	.tools/fetch/bin/pip install --quiet "mcp-server-fetch==2026.10.10"
 	touch $@
 
+# `make lab PORT=8890` for another port (PORT=0: any free one). The last line it prints is the URL
+# to open, with the login token; JupyterLab keeps its settings and workspaces in .lab/jupyter/.
 lab: setup
 	$(BIN)/sophos-lab lab --port $(PORT)
 

@@ -32,11 +32,39 @@ from .tools import mcp_servers, model_facing, read_config_file, with_idempotency
 
 DEFAULT_SYSTEM_PROMPT = "You are an AI assistant with access to MCP tools."
 _NO_THINKING = re.compile(r"does not support thinking", re.IGNORECASE)
-_MODEL_NOT_FOUND = re.compile(r"model .* not found", re.IGNORECASE)
+# Ollama's answer for a model it does not have, in its older and newer wording:
+#   model 'x' not found (status code: 404)       model "x" not found, try pulling it first
+_MODEL_NOT_FOUND = re.compile(r"""model\s+(?:'([^']*)'|"([^"]*)"|(\S+))\s+not found""", re.IGNORECASE)
+_STATUS_SUFFIX = re.compile(r"\s*\(status code: \d+\)\s*$")
 
 
 class ModelUnavailable(Exception):
-    """Ollama answered that the configured model does not exist."""
+    """Ollama answered that the configured model does not exist.
+
+    `model` is the name in Ollama's answer (else the configured one), `host` the server that
+    answered, `reason` Ollama's own words: together they make the recorded message.
+    """
+
+    def __init__(self, reason: str, model: str | None = None, host: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.model = model
+        self.host = host
+
+    @classmethod
+    def from_error(cls, error: BaseException, model: str | None = None,
+                   host: str | None = None) -> ModelUnavailable | None:
+        """The `ModelUnavailable` for an error whose text is Ollama's "model … not found", else None."""
+        text = str(error)
+        found = _MODEL_NOT_FOUND.search(text)
+        if found is None:
+            return None
+        named = next((group for group in found.groups() if group), None)
+        return cls(_STATUS_SUFFIX.sub("", text).strip(), named or model, host)
+
+    def message(self) -> str:
+        where = f"OLLAMA_HOST ({self.host})" if self.host else "OLLAMA_HOST"
+        return errors.MODEL_UNAVAILABLE_DETAIL.format(model=self.model or "?", where=where, reason=self.reason)
 
 
 @dataclass
@@ -89,8 +117,10 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):
         try:
             response = await bound.ainvoke(prompt, config)
         except Exception as error:
-            if _MODEL_NOT_FOUND.search(str(error)):
-                raise ModelUnavailable(str(error)) from error
+            missing = ModelUnavailable.from_error(
+                error, getattr(model, "model", None), getattr(model, "base_url", None))
+            if missing is not None:
+                raise missing from error
             if _NO_THINKING.search(str(error)):
                 raise SophosError(errors.THINKING_UNSUPPORTED, (
                     f"{error} (Ollama's words). OLLAMA_THINK=true asks every model call to think; "
@@ -130,7 +160,7 @@ def classify_error(error: BaseException) -> tuple[str, str]:
     if isinstance(error, GraphRecursionError):
         return errors.RECURSION_LIMIT, errors.RECURSION_LIMIT_MESSAGE
     if isinstance(error, ModelUnavailable):
-        return errors.MODEL_UNAVAILABLE, errors.MODEL_UNAVAILABLE_MESSAGE
+        return errors.MODEL_UNAVAILABLE, error.message()
     if isinstance(error, SophosError):  # e.g. a CONFIG_ERROR met while the run was under way
         return error.code, error.message
     return errors.AGENT_FAILURE, str(error) or type(error).__name__ or "Agent failed"
@@ -158,9 +188,20 @@ def check_model(settings: Settings, timeout: float = 3.0) -> Readiness:
     except (OSError, ValueError):
         return Readiness(False, "Failed to connect to Ollama")
     names = tuple(model.get("name", "") for model in body.get("models", []))
-    if any(settings.ollama_model in name for name in names):
+    if any(same_model(settings.ollama_model, name) for name in names):
         return Readiness(True, "ok", names)
     return Readiness(False, f'Ollama model "{settings.ollama_model}" not available', names)
+
+
+def same_model(wanted: str, listed: str) -> bool:
+    """Ollama's rule: a name without a tag means `:latest`, so `qwen3` is `qwen3:latest`, while
+    `qwen3:8b` is only itself and `qwen` is not `qwen3` (case-insensitive, as Ollama's names are)."""
+
+    def full(name: str) -> str:
+        name = name.strip().lower()
+        return name if ":" in name.rsplit("/", 1)[-1] else name + ":latest"
+
+    return bool(wanted.strip()) and full(wanted) == full(listed)
 
 
 async def check_model_async(settings: Settings) -> Readiness:

@@ -1,13 +1,20 @@
-"""`sophos-lab`: check the surroundings, serve the scripted model, reset lab state, run notebooks."""
+"""`sophos-lab`: start JupyterLab on the lessons, check the surroundings (`doctor`), serve the
+scripted model, reset lab state."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from .agent import check_model
@@ -15,30 +22,181 @@ from .settings import Settings
 from .tools import McpTools, load_mcp_config, kit_variables
 
 KIT_ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS_DIR = KIT_ROOT / "data" / "scripts"
+LAB_READY_TIMEOUT = 90.0
+"""How long `lab` waits for JupyterLab to answer before it stops waiting to print the URL."""
+
+# JupyterLab 4's "Would you like to receive official Jupyter news?" pop-up: answered "no" once,
+# in the lab's own user settings (a choice made later in Settings is kept).
+_NEWS_SETTINGS = ("@jupyterlab", "apputils-extension", "notification.jupyterlab-settings")
 
 
-def doctor(settings: Settings) -> int:
-    """Print what is reachable: the model, each MCP server, node. Returns 0 when all is well."""
+def lab_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of the lab: the kit's settings, and Jupyter's own state under `.lab/jupyter/`.
+
+    JupyterLab's settings and workspaces and the server's config and runtime files live under the
+    lab home, not the home directory, so a second `make lab` does not reopen old tabs and
+    `sophos-lab reset` forgets them too.
+    """
+    from .lab import lab_home
+
+    env = dict(os.environ if environ is None else environ)
+    home = lab_home()
+    env.setdefault("CONFIG_DIR", str(KIT_ROOT / "config"))
+    env.setdefault("DATABASE_PATH", str(home / "default" / "sophos.db"))
+    env.setdefault("MEMORY_FILE_PATH", str(home / "default" / "memory.jsonl"))
+    jupyter = home / "jupyter"
+    env.update(
+        JUPYTERLAB_SETTINGS_DIR=str(jupyter / "lab" / "user-settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(jupyter / "lab" / "workspaces"),
+        JUPYTER_CONFIG_DIR=str(jupyter / "config"),
+        JUPYTER_RUNTIME_DIR=str(jupyter / "runtime"),
+    )
+    return env
+
+
+def lab_command(port: int, extra: list[str]) -> list[str]:
+    """The JupyterLab command line (the token travels in `JUPYTER_TOKEN`, not in `ps` output)."""
+    command = [
+        sys.executable, "-m", "jupyterlab", "--ip=127.0.0.1", f"--port={port}", "--no-browser",
+        f"--ServerApp.root_dir={KIT_ROOT / 'notebooks'}", *extra,
+    ]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        command.append("--allow-root")
+    return command
+
+
+def _switch_off_news(settings_dir: Path) -> None:
+    path = settings_dir.joinpath(*_NEWS_SETTINGS)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}, indent=2) + "\n")
+
+
+def _server_answers(info: dict) -> bool:
+    """Does the server of this `jpserver-<pid>.json` answer `/api/status` with its token?"""
+    url = info["url"].rstrip("/") + "/api/status"
+    request = urllib.request.Request(url, headers={"Authorization": f"token {info['token']}"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def wait_for_lab(proc: subprocess.Popen, runtime_dir: Path, timeout: float = LAB_READY_TIMEOUT) -> dict | None:
+    """The server's info (port, token, …) once it answers; None if it exited or took too long.
+
+    The server writes `jpserver-<pid>.json` when it listens (with the port it really got: a busy
+    port makes it try the next ones); then its `/api/status` must answer. Between looks this
+    waits on the process itself, so an exit ends the wait at once.
+    """
+    info_file = runtime_dir / f"jpserver-{proc.pid}.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            proc.wait(timeout=0.1)
+            return None  # it exited
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            info = json.loads(info_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if _server_answers(info):
+            return info
+    return None
+
+
+def start_lab(port: int, extra: list[str]) -> int:
+    """Start JupyterLab on `notebooks/` (loopback only) with the kit's settings in its environment,
+    and print its URL with the login token as the last line of start-up.
+
+    Without `OLLAMA_HOST`, a scripted model server is started first and the kit is pointed at it,
+    so a machine with no Ollama works; with `OLLAMA_HOST`, that Ollama is used.
+    """
+    from ._proc import stop_server
+    from .scripted_model import start_scripted_model
+
+    env = lab_environment()
+    env.setdefault("JUPYTER_TOKEN", secrets.token_urlsafe(24))
+    _switch_off_news(Path(env["JUPYTERLAB_SETTINGS_DIR"]))
+    runtime_dir = Path(env["JUPYTER_RUNTIME_DIR"])
+    server = None
+    if not env.get("OLLAMA_HOST"):
+        server, url = start_scripted_model(SCRIPTS_DIR)
+        env.update(OLLAMA_HOST=url, OLLAMA_MODEL="scripted")
+        print(f"sophos-lab: no OLLAMA_HOST, so the scripted model answers at {url} (deterministic, not an LLM)",
+              flush=True)
+    proc = None
+    # A SIGTERM (`kill`) ends the lab as Ctrl-C does: JupyterLab and the scripted model stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        proc = subprocess.Popen(lab_command(port, extra), env=env)
+        info = wait_for_lab(proc, runtime_dir)
+        if info is not None:
+            print(f"\nsophos-lab: JupyterLab is ready. Open this URL (it carries the login token):\n\n"
+                  f"    http://127.0.0.1:{info['port']}/lab?token={info['token']}\n", flush=True)
+        elif proc.poll() is None:
+            print("sophos-lab: JupyterLab has not answered yet; its own log above shows its URL.", flush=True)
+        return proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if server is not None:
+            stop_server(server)
+
+
+def doctor(environ: Mapping[str, str] | None = None) -> int:
+    """Print what the lab would use and whether it is reachable: the model, node, each MCP server.
+
+    Returns the number of problems (0 when all is well). Without `OLLAMA_HOST` the lab answers
+    with the scripted model, so that is what is checked: one is started, asked and stopped.
+    MCP servers' stderr goes to `.lab/doctor/mcp-<server>.log`, not to the terminal.
+    """
+    from ._proc import stop_server
+    from .lab import lab_home
+    from .scripted_model import start_scripted_model
+
+    env = lab_environment(environ)
     problems = 0
-    readiness = check_model(settings)
-    print(f"model     {settings.ollama_host} {settings.ollama_model}: {readiness.message}")
-    if not readiness.ok:
-        problems += 1
-        if not os.environ.get("OLLAMA_HOST"):
-            print("          (no OLLAMA_HOST: the lab notebooks start the scripted model themselves)")
-    node = shutil.which("node")
+    if env.get("OLLAMA_HOST"):
+        settings = Settings.from_env(env)
+        readiness = check_model(settings)
+        print(f"model     {settings.ollama_host} {settings.ollama_model}: {readiness.message}")
+        if not readiness.ok and readiness.models:
+            print(f"          models there: {', '.join(readiness.models)}")
+    else:
+        server, url = start_scripted_model(SCRIPTS_DIR)
+        try:
+            settings = Settings.from_env({**env, "OLLAMA_HOST": url, "OLLAMA_MODEL": "scripted"})
+            readiness = check_model(settings)
+        finally:
+            stop_server(server)
+        print(f"model     scripted model (no OLLAMA_HOST, so the lab starts one; not an LLM): {readiness.message}")
+    problems += not readiness.ok
+    node = shutil.which("node", path=env.get("PATH"))
     print(f"node      {node or 'not found (the memory MCP server needs it)'}")
     problems += node is None
     try:
-        servers = load_mcp_config(settings.mcp_config_path, {**os.environ, **kit_variables(settings)})
+        servers = load_mcp_config(settings.mcp_config_path, {**env, **kit_variables(settings)})
     except Exception as error:  # a broken config is a finding, not a crash
         print(f"mcp.json  {error}")
         return problems + 1
-    tools = McpTools(settings)
+    log_dir = lab_home() / "doctor"
+    tools = McpTools(settings, log_dir=log_dir)
     try:
         found = asyncio.run(_discover(tools))
     except Exception as error:
         print(f"mcp       {error}")
+        print(f"          (the servers' stderr: {log_dir}/mcp-<server>.log)")
         return problems + 1
     for server in servers:
         names = [t.name for t in found if t.name.startswith(server.name + "__")]
@@ -53,48 +211,29 @@ async def _discover(tools: McpTools) -> list:
         await tools.aclose()
 
 
-def start_lab(port: int, extra: list[str]) -> int:
-    """Start JupyterLab on `notebooks/` (loopback only) with the kit's settings in its environment.
-
-    Without `OLLAMA_HOST`, a scripted model server is started first and the kit is pointed at it,
-    so a machine with no Ollama works; with `OLLAMA_HOST`, that Ollama is used.
-    """
-    from ._proc import stop_server
+def reset() -> str:
+    """Delete the lab home; say what happened."""
     from .lab import lab_home
-    from .scripted_model import start_scripted_model
 
-    env = dict(os.environ)
-    env.setdefault("CONFIG_DIR", str(KIT_ROOT / "config"))
-    env.setdefault("DATABASE_PATH", str(lab_home() / "default" / "sophos.db"))
-    env.setdefault("MEMORY_FILE_PATH", str(lab_home() / "default" / "memory.jsonl"))
-    server = None
-    if not env.get("OLLAMA_HOST"):
-        server, url = start_scripted_model(KIT_ROOT / "data" / "scripts")
-        env.update(OLLAMA_HOST=url, OLLAMA_MODEL="scripted")
-        print(f"sophos-lab: no OLLAMA_HOST, so the scripted model answers at {url} (deterministic, not an LLM)")
-    command = [
-        sys.executable, "-m", "jupyterlab", "--ip=127.0.0.1", f"--port={port}", "--no-browser",
-        f"--ServerApp.root_dir={KIT_ROOT / 'notebooks'}", *extra,
-    ]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        command.append("--allow-root")
-    try:
-        return subprocess.call(command, env=env)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        if server is not None:
-            stop_server(server)
+    home = lab_home()
+    if not home.exists():
+        return f"nothing to remove: {home} does not exist"
+    shutil.rmtree(home, ignore_errors=True)
+    return f"removed {home}" if not home.exists() else f"could not remove all of {home}"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="sophos-lab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    lab = commands.add_parser("lab", help="start JupyterLab on the notebooks (loopback only)")
-    lab.add_argument("--port", type=int, default=8888)
-    commands.add_parser("doctor", help="check the model server, the MCP servers and node")
+    lab = commands.add_parser(
+        "lab", help="start JupyterLab on the notebooks (loopback only) and print its URL with the token")
+    lab.add_argument("--port", type=int, default=8888,
+                     help="JupyterLab's port (default 8888; 0 picks a free one; if it is busy, "
+                          "JupyterLab tries the next ones and the printed URL says which)")
+    commands.add_parser("doctor", help="check the model the lab would use, the MCP servers and node")
     serve = commands.add_parser("serve-model", help="run the scripted Ollama-compatible model server")
-    serve.add_argument("--port", type=int, default=11434)
+    serve.add_argument("--port", type=int, default=11434,
+                       help="port to listen on (default 11434, Ollama's own; 0 picks a free one)")
     commands.add_parser("reset", help="delete all lab state (.lab/)")
     commands.add_parser("worker", help="run the agent as a child process driven over stdin")
     args, extra = parser.parse_known_args(argv)
@@ -104,16 +243,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "lab":
         sys.exit(start_lab(args.port, extra))
     if args.command == "doctor":
-        sys.exit(1 if doctor(Settings.from_env()) else 0)
+        sys.exit(1 if doctor() else 0)
     if args.command == "serve-model":
         from .scripted_model import main as serve_main
 
-        serve_main(["--scripts", str(KIT_ROOT / "data" / "scripts"), "--port", str(args.port)])
+        serve_main(["--scripts", str(SCRIPTS_DIR), "--port", str(args.port)])
     elif args.command == "reset":
-        from .lab import lab_home
-
-        shutil.rmtree(lab_home(), ignore_errors=True)
-        print(f"removed {lab_home()}")
+        print(reset())
     elif args.command == "worker":
         from .worker import main as worker_main
 

@@ -28,7 +28,9 @@ SCHEMA_TOO_NEW = "SCHEMA_TOO_NEW"
 CONFIG_ERROR = "CONFIG_ERROR"
 
 RECURSION_LIMIT_MESSAGE = "The agent reached its step limit (AGENT_RECURSION_LIMIT) without finishing."
-MODEL_UNAVAILABLE_MESSAGE = "The configured Ollama model is not available."
+# What a MODEL_UNAVAILABLE run records: the model, the server and Ollama's own words, e.g.
+# The model "x" is not available from OLLAMA_HOST (http://127.0.0.1:11434): model 'x' not found
+MODEL_UNAVAILABLE_DETAIL = 'The model "{model}" is not available from {where}: {reason}'
 SHUTDOWN_MESSAGE = "The process shut down before the run finished; its progress is saved."
 OWNERSHIP_LOST_MESSAGE = (
     "Another process took this run over: this one stopped renewing its lease (frozen or hung) and "

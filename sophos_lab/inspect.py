@@ -55,11 +55,58 @@ def _has_table(conn: sqlite3.Connection, name: str) -> bool:
 
 def _plain(frame: pd.DataFrame) -> pd.DataFrame:
     """Missing values as None, not NaN (pandas 3 infers a `str` dtype whose missing value is NaN),
-    so that `error_code` reads None and `state()["runs"]` compares with `(status, None)`."""
+    so that `error_code` reads None and `state()["runs"]` compares with `(status, None)`.
+
+    The same for a column of whole numbers with a gap (pandas makes it float, e.g. `1.0, NaN`):
+    it keeps its numbers as ints and the gap as None.
+    """
     for column in frame.columns:
-        if frame[column].dtype != object and pd.api.types.is_string_dtype(frame[column].dtype):
-            frame[column] = frame[column].astype(object).where(frame[column].notna(), None)
+        values = frame[column]
+        if values.dtype != object and pd.api.types.is_string_dtype(values.dtype):
+            frame[column] = values.astype(object).where(values.notna(), None)
+        elif pd.api.types.is_float_dtype(values.dtype) and values.isna().any():
+            present = values.dropna()
+            if (present == present.round()).all():
+                frame[column] = pd.Series(
+                    [None if pd.isna(v) else int(v) for v in values], index=frame.index, dtype=object)
     return frame
+
+
+TEXT_LIMIT = 600
+"""How many characters of a message's text the notebook display of `messages` shows."""
+
+
+def _display_cell(value: Any) -> Any:
+    if value is None or (isinstance(value, float) and pd.isna(value)):
+        return ""
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(item) for item in value)
+    if isinstance(value, str) and len(value) > TEXT_LIMIT:
+        return value[:TEXT_LIMIT] + f"… ({len(value) - TEXT_LIMIT} more characters)"
+    return value
+
+
+class TextFrame(pd.DataFrame):
+    """A DataFrame whose notebook display keeps text readable.
+
+    Line breaks show as line breaks (pandas shows them as a literal `\\n`), a missing value as an
+    empty cell, a list as its items, and long text is cut at `TEXT_LIMIT` characters. Only the
+    display changes: the values (and `to_string()`, `print`) are those of a plain DataFrame.
+    """
+
+    @property
+    def _constructor(self):
+        return TextFrame
+
+    def _repr_html_(self) -> str | None:
+        if len(self) > (pd.get_option("display.max_rows") or len(self)):
+            return super()._repr_html_()
+        shown = pd.DataFrame(self).astype(object).map(_display_cell)
+        return (
+            shown.style.format(escape="html")
+            .set_properties(**{"white-space": "pre-wrap", "text-align": "left", "vertical-align": "top"})
+            .to_html()
+        )
 
 
 def _query(db_path: str | Path, table: str, sql: str, params: tuple, columns: list[str]) -> pd.DataFrame:
@@ -179,7 +226,7 @@ def thread_view(db_path: str | Path, conversation: str) -> tuple[list[dict[str, 
 
 
 def messages(db_path: str | Path, conversation: str) -> pd.DataFrame:
-    """The messages of the latest checkpoint."""
+    """The messages of the latest checkpoint (a `TextFrame`: its text displays with its line breaks)."""
     history = _history(db_path, conversation)
     dtos = message_dtos(history[-1].values.get("messages", [])) if history else []
     return pd.DataFrame(
@@ -191,7 +238,7 @@ def messages(db_path: str | Path, conversation: str) -> pd.DataFrame:
             "tool_calls": [call["name"] for call in m.get("toolCalls", [])] or None,
         } for m in dtos],
         columns=MESSAGE_COLUMNS,
-    ).pipe(_plain)
+    ).pipe(_plain).pipe(TextFrame)
 
 
 def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
