@@ -73,6 +73,33 @@ def lab(lab_home):
         yield lab
 
 
+OLLAMA_LIKE_MODEL = "ollama-like"
+
+
+@pytest.fixture(scope="session")
+def ollama_like():
+    """A second Ollama-protocol server (`servers/ollama_like.py`), not the kit's scripted one, on
+    loopback; the URL. It exits with this process."""
+    import json
+    import subprocess
+    import sys
+
+    from sophos_lab._proc import _read_line, stop_server
+
+    server = Path(__file__).resolve().parent / "servers" / "ollama_like.py"
+    env = dict(os.environ, SOPHOS_LAB_EXIT_WITH_PARENT="1")
+    proc = subprocess.Popen([sys.executable, str(server), "--port", "0"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env, start_new_session=True)
+    line = _read_line(proc, 15)
+    try:
+        url = json.loads(line)["url"]
+    except (ValueError, KeyError):
+        stop_server(proc)
+        raise RuntimeError(f"ollama_like did not start: {line!r}") from None
+    yield url
+    stop_server(proc)
+
+
 # --- in-process services ----------------------------------------------------------------
 
 

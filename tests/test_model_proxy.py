@@ -9,43 +9,22 @@ host is always passed explicitly.)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
+from conftest import OLLAMA_LIKE_MODEL as MODEL
 from conftest import roles, statuses
 
-from sophos_lab._proc import _read_line, stop_server
+from sophos_lab._proc import stop_server
 from sophos_lab.errors import MODEL_UNAVAILABLE
 from sophos_lab.lab import Lab
 from sophos_lab.model_proxy import ModelProxyControl, start_model_proxy
 
-SERVER = Path(__file__).resolve().parent / "servers" / "ollama_like.py"
-MODEL = "ollama-like"
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 FETCH_TOOL = {"type": "function", "function": {
     "name": "fetch__fetch", "description": "Fetch a URL.",
     "parameters": {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]}}}
 TIMING = {"created_at", "total_duration", "load_duration", "prompt_eval_duration", "eval_duration"}
-
-
-@pytest.fixture(scope="module")
-def ollama_like():
-    """The second Ollama-protocol server, on loopback; it exits with this process."""
-    env = dict(os.environ, SOPHOS_LAB_EXIT_WITH_PARENT="1")
-    proc = subprocess.Popen([sys.executable, str(SERVER), "--port", "0"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env, start_new_session=True)
-    line = _read_line(proc, 15)
-    try:
-        url = json.loads(line)["url"]
-    except (ValueError, KeyError):
-        stop_server(proc)
-        raise RuntimeError(f"ollama_like did not start: {line!r}") from None
-    yield url
-    stop_server(proc)
 
 
 @pytest.fixture
