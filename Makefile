@@ -8,8 +8,15 @@ BIN := $(VENV)/bin
 PORT ?= 8888
 NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=120 \
 	--nbval-kernel-startup-timeout=120 --nbval-sanitize-with tests/notebooks/sanitize.cfg -p no:python
+# The lessons are committed without outputs; nbval runs on copies with the golden outputs of their
+# checked cells put back (tests/notebooks/golden/, see tests/notebooks/golden.py).
+NBVAL_COPIES := .lab/nbval
+define run_nbval
+	$(BIN)/python tests/notebooks/golden.py inject $(NBVAL_COPIES)
+	$(BIN)/pytest $(NBVAL_FLAGS) $(NBVAL_COPIES)
+endef
 
-.PHONY: setup lab test test-unit test-notebooks benchmark reset clean
+.PHONY: setup lab test test-unit test-notebooks record-golden benchmark reset clean
 
 setup: $(VENV)/.installed node_modules/.installed .tools/fetch/.installed
 
@@ -39,18 +46,23 @@ lab: setup
 	$(BIN)/sophos-lab lab --port $(PORT)
 
 # Kernels started by the tests keep their IPython profile and connection files in .lab/.
-test test-unit test-notebooks: export IPYTHONDIR := $(CURDIR)/.lab/ipython
-test test-unit test-notebooks: export JUPYTER_RUNTIME_DIR := $(CURDIR)/.lab/jupyter-runtime
+test test-unit test-notebooks record-golden: export IPYTHONDIR := $(CURDIR)/.lab/ipython
+test test-unit test-notebooks record-golden: export JUPYTER_RUNTIME_DIR := $(CURDIR)/.lab/jupyter-runtime
 
 test: setup
 	$(BIN)/pytest -p no:nbval tests
-	$(BIN)/pytest $(NBVAL_FLAGS) notebooks
+	$(run_nbval)
 
 test-unit: setup
 	$(BIN)/pytest -p no:nbval tests
 
 test-notebooks: setup
-	$(BIN)/pytest $(NBVAL_FLAGS) notebooks
+	$(run_nbval)
+
+# After a checked output changed on purpose: `make record-golden` (all lessons) or
+# `make record-golden LESSONS="07_side_effects_and_idempotency"`; then review the diff of tests/notebooks/golden/.
+record-golden: setup
+	$(BIN)/python tests/notebooks/golden.py record $(LESSONS)
 
 benchmark: setup
 	$(BIN)/python benchmarks/steps.py

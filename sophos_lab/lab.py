@@ -9,6 +9,10 @@
 
 Everything a lab writes lives in `.lab/<name>/` (git-ignored): the database, the memory file, a
 copy of the configuration, the logs of every process. `data/` holds only inputs.
+
+A lab's `mcp.json` is the kit's (`fetch` and `memory`). A lesson that needs one of the servers in
+`config/extras/` names it: `Lab.setup("07_side_effects_and_idempotency", extra_servers=("ledger",))`
+merges `config/extras/ledger.json` into the lab's copy, so only that lab offers `record_payment`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,20 @@ from .settings import Settings
 from .webfixtures import WebFixturesControl, start_web_fixtures
 
 KIT_ROOT = Path(__file__).resolve().parent.parent
+EXTRAS_DIR = KIT_ROOT / "config" / "extras"
+"""MCP servers a lab adds only when asked (`extra_servers`): `<name>.json` holds `{name: entry}`."""
+
+
+def extra_server(name: str) -> dict[str, Any]:
+    """The `mcp.json` entries of the extra server `name` (`config/extras/<name>.json`)."""
+    path = EXTRAS_DIR / f"{name}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in EXTRAS_DIR.glob("*.json"))
+        raise ValueError(f"no extra MCP server {name!r} (config/extras/ has: {', '.join(known) or 'none'})")
+    entries = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(entries, dict) or not all(isinstance(v, dict) for v in entries.values()):
+        raise ValueError(f"{path} must map server names to objects, as mcp.json does")
+    return entries
 
 
 def lab_home() -> Path:
@@ -72,6 +90,8 @@ class Lab:
     shutdown_timeout: float = 5.0
     _servers: list[subprocess.Popen] = field(default_factory=list)
     _children: list[Any] = field(default_factory=list)
+    extra_servers: list[str] = field(default_factory=list)
+    """The servers from `config/extras/` added to this lab's `mcp.json` (kept by `restore_mcp_config`)."""
 
     @classmethod
     def setup(
@@ -82,14 +102,21 @@ class Lab:
         ollama_model: str | None = None,
         shutdown_timeout: float = 5.0,
         quiet: bool = False,
+        extra_servers: tuple[str, ...] | list[str] = (),
     ) -> Lab:
         """A fresh lab: wipe `.lab/<name>/`, copy the config, start the model (unless a real
         Ollama is named by argument or `OLLAMA_HOST`: then a recording proxy in front of it) and
-        the web fixture server."""
+        the web fixture server.
+
+        `extra_servers` names servers of `config/extras/` (e.g. `("ledger",)`, lesson 07) to add
+        to the lab's `mcp.json`; by default it has only the kit's `fetch` and `memory`."""
+        if isinstance(extra_servers, str):
+            extra_servers = (extra_servers,)
+        extras = {name: extra_server(name) for name in extra_servers}  # an unknown name fails before anything starts
         root = lab_home() / name
         shutil.rmtree(root, ignore_errors=True)
         (root / "logs").mkdir(parents=True)
-        shutil.copytree(KIT_ROOT / "config", root / "config")
+        shutil.copytree(KIT_ROOT / "config", root / "config", ignore=shutil.ignore_patterns("extras"))
         servers: list[subprocess.Popen] = []
         web_proc, web_url = start_web_fixtures(KIT_ROOT / "data" / "web", log_file=root / "logs" / "web-access.jsonl")
         servers.append(web_proc)
@@ -115,6 +142,8 @@ class Lab:
             name=name, root=root, ollama_host=host, ollama_model=model_name, model=model_control,
             web=WebFixturesControl(web_url), shutdown_timeout=shutdown_timeout, _servers=servers,
         )
+        for extra in extras:
+            lab.add_mcp_server(extra)
         if not quiet:
             print(lab.describe())
         return lab
@@ -175,8 +204,22 @@ class Lab:
         change(config)
         path.write_text(json.dumps(config, indent=2))
 
+    def add_mcp_server(self, name: str) -> None:
+        """Add the extra server `name` (`config/extras/<name>.json`) to this lab's `mcp.json`.
+
+        Do it before a child first needs tools: a process reads `mcp.json` when it discovers its
+        tools, and keeps the servers it found for its life."""
+        entries = extra_server(name)
+        self.edit_mcp_config(lambda config: config.update(entries))
+        if name not in self.extra_servers:
+            self.extra_servers.append(name)
+
     def restore_mcp_config(self) -> None:
+        """Put the kit's `mcp.json` back in the lab, with the extra servers this lab was given."""
         shutil.copy(KIT_ROOT / "config" / "mcp.json", self.config_dir / "mcp.json")
+        for name in self.extra_servers:
+            entries = extra_server(name)
+            self.edit_mcp_config(lambda config: config.update(entries))
 
     # children
 
@@ -224,7 +267,9 @@ class Lab:
         return views.state(self.db_path, conversation)
 
     def timeline(self, conversation: str):
-        return views.timeline(self.db_path, conversation)
+        """The runs and checkpoints of `conversation` on a time axis, with this lab's model requests."""
+        requests = [r["time"] for r in self.model.chat_requests() if r.get("time")]
+        return views.timeline(self.db_path, conversation, model_requests=requests)
 
     def ledger(self) -> pd.DataFrame:
         """The ledger server's payments, oldest first (read-only; empty before the first one)."""

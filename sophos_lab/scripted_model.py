@@ -14,6 +14,20 @@ same turn: the script is the first (by file name) whose ``match`` regex is
 found in the last user message, and the turn index is the number of
 assistant messages after that user message.
 
+A turn may branch on the tool results it answers: its ``on_tool_error`` (a
+turn of its own, e.g. ``{"text": "The fetch failed: {tool_error}"}``) is sent
+instead when a tool result since the last assistant message is an error; the
+failed result's text fills ``{tool_error}``. Ollama's protocol carries no
+status for a tool message (``ChatOllama`` sends a ``ToolMessage`` as
+``{"role": "tool", "content": ...}``, its ``status`` dropped), so an error is
+recognised by its text: a result that starts with ``Error`` (LangGraph's
+``ToolNode`` and the MCP adapters: ``Error: ...``, ``Error executing tool
+...``), ``Failed to`` (the fetch server: ``Failed to fetch URL - status code
+404``, ``... due to a connection issue``) or ``The sites robots.txt`` (the
+fetch server refusing a page). A script can give its own regex as
+``tool_error_match`` (searched in each result), e.g. for the memory server,
+whose errors read ``Entity with name X not found``. A real model reads the text too.
+
 A control API under ``/_scripted/`` lets a notebook or test read the request
 log and freeze a stream half-way at a named pause point (see
 ``ScriptedModelControl``).
@@ -40,8 +54,10 @@ __all__ = [
     "Choice",
     "Script",
     "ScriptedModelControl",
+    "TOOL_ERROR",
     "Turn",
     "choose_turn",
+    "failed_tool_result",
     "load_scripts",
     "start_scripted_model",
     "stop_server",
@@ -50,6 +66,8 @@ __all__ = [
 
 VERSION = "0.0.0-scripted"
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
+TOOL_ERROR = re.compile(r"^\s*(?:Error\b|Failed to\b|The sites? robots\.txt\b)")
+"""How a failed tool result reads (the request has no status to tell): see the module docstring."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,8 @@ class Turn:
     token_delay: float = 0.0
     pause: str | None = None
     error: dict | None = None
+    on_tool_error: Turn | None = None
+    """Sent instead of this turn when a tool result it answers is an error (`TOOL_ERROR`)."""
 
     @classmethod
     def from_dict(cls, data: dict) -> Turn:
@@ -73,7 +93,12 @@ class Turn:
             {"name": c["name"], "arguments": c.get("arguments", {})}
             for c in data.get("tool_calls", ())
         )
-        return cls(**{**data, "tool_calls": calls})
+        branch = data.get("on_tool_error")
+        if branch is not None:
+            if not isinstance(branch, dict) or "on_tool_error" in branch:
+                raise ValueError('"on_tool_error" must be a turn object (without an "on_tool_error" of its own)')
+            branch = cls.from_dict(branch)
+        return cls(**{**data, "tool_calls": calls, "on_tool_error": branch})
 
     def fill(self, values: dict[str, str]) -> Turn:
         """This turn with ``{name}`` placeholders replaced from ``values``."""
@@ -83,6 +108,7 @@ class Turn:
             thinking=_fill(self.thinking, values),
             tool_calls=_fill(self.tool_calls, values),
             error=_fill(self.error, values),
+            on_tool_error=self.on_tool_error and self.on_tool_error.fill(values),
         )
 
 
@@ -95,6 +121,7 @@ class Script:
     match: re.Pattern[str] | None = None
     description: str = ""
     repeat_last: bool = False
+    tool_error_match: re.Pattern[str] = TOOL_ERROR
 
     @classmethod
     def from_dict(cls, data: dict, default_name: str) -> Script:
@@ -109,6 +136,7 @@ class Script:
             match=re.compile(data["match"]),
             turns=tuple(Turn.from_dict(t) for t in data["turns"]),
             repeat_last=bool(data.get("repeat_last", False)),
+            tool_error_match=re.compile(data["tool_error_match"]) if "tool_error_match" in data else TOOL_ERROR,
         )
 
 
@@ -119,6 +147,8 @@ class Choice:
     script: str
     index: int
     turn: Turn
+    branch: str | None = None
+    """`"on_tool_error"` when the turn's error branch was sent, else None."""
 
 
 PLAIN = Script(
@@ -166,7 +196,26 @@ def choose_turn(scripts: list[Script], messages: list[dict]) -> Choice:
         turn = script.turns[-1]
     else:
         turn = NO_MORE_TURNS
+    if turn.on_tool_error is not None:
+        failed = failed_tool_result(messages, script.tool_error_match)
+        if failed is not None:
+            return Choice(script.name, index, turn.on_tool_error.fill({**values, "tool_error": failed}), "on_tool_error")
     return Choice(script.name, index, turn.fill(values))
+
+
+def failed_tool_result(messages: list[dict], pattern: re.Pattern[str] = TOOL_ERROR) -> str | None:
+    """The text of the first failed tool result since the last assistant message, else None.
+
+    Those results answer the assistant's last tool calls: the ones this reply follows."""
+    last_assistant = max(
+        (i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1
+    )
+    for message in messages[last_assistant + 1 :]:
+        if message.get("role") == "tool":
+            text = _text(message.get("content"))
+            if pattern.search(text):
+                return text.strip()
+    return None
 
 
 def tokenize(text: str) -> list[str]:
@@ -290,7 +339,7 @@ class _Handler(JsonHandler):
             self._api({"error": f'"{model}" does not support thinking'}, 400, model=model, **entry)
             return
         choice = choose_turn(self.server.scripts, messages)
-        entry.update(script=choice.script, turn=choice.index)
+        entry.update(script=choice.script, turn=choice.index, branch=choice.branch)
         turn = choice.turn
         if turn.error:
             status = int(turn.error.get("status", 500))
@@ -374,7 +423,7 @@ class _Handler(JsonHandler):
         }
 
 
-_LOG_FIELDS = ("model", "script", "turn", "n_messages", "last_role", "status", "tools", "tool_args")
+_LOG_FIELDS = ("model", "script", "turn", "branch", "n_messages", "last_role", "status", "tools", "tool_args")
 _DETAILS = {
     "parent_model": "",
     "format": "scripted",

@@ -1,7 +1,7 @@
 """The chat lesson in a real browser: JupyterLab on loopback, Debian's Chromium driven by Playwright.
 
-The test opens `notebooks/06_chat_and_resume.ipynb` with `CLICK_RESUME = False`, so that the
-notebook kills the agent mid-answer and then stops with the Resume button showing. Then it does
+The test opens `notebooks/06_chat_and_resume.ipynb` as committed (`CLICK_RESUME = False`, the
+default), so that Run All kills the agent mid-answer and then stops with the Resume button showing. Then it does
 what a learner does: presses Resume in the rendered widget and waits for the completed answer.
 Finally it switches JupyterLab to its dark theme (Settings → Theme → JupyterLab Dark) and checks
 that the widget follows: its colours come from JupyterLab's CSS variables, not hard-coded ones.
@@ -10,8 +10,9 @@ the agent's child kernel, the scripted model, the MCP servers and the SQLite fil
 
 Nothing is written to $HOME: JupyterLab's config, data and runtime directories, IPython's
 directory, the lab directories (`SOPHOS_LAB_HOME`) and the browser's home are temporary. The
-screenshots go to `.lab/artifacts/` (git-ignored). Only the distribution's Chromium is used;
-Playwright never downloads a browser here.
+screenshots go to `.lab/artifacts/` (git-ignored); the two the README shows (the crashed state with
+its Resume button, and the finished answer) are also written to `docs/`. Only the distribution's
+Chromium is used; Playwright never downloads a browser here.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "06_chat_and_resume.ipynb"
 ARTIFACTS = ROOT / ".lab" / "artifacts"
+DOCS = ROOT / "docs"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -101,12 +103,12 @@ def write_user_settings(config_dir: Path) -> None:
 
 
 def prepare_notebook(root_dir: Path) -> Path:
-    """The lesson with `CLICK_RESUME = False` in its parameters cell, in JupyterLab's root."""
+    """The lesson as committed (it must default to `CLICK_RESUME = False`), in JupyterLab's root."""
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     (cell,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
-    source = re.sub(r"(?m)^CLICK_RESUME = True\b", "CLICK_RESUME = False", cell.source)
-    assert source != cell.source, f"no `CLICK_RESUME = True` line in the parameters cell:\n{cell.source}"
-    cell.source = source
+    assert re.search(r"(?m)^CLICK_RESUME = False\b", cell.source), (
+        f"Run All must stop before Resume: no `CLICK_RESUME = False` line in the parameters cell:\n{cell.source}"
+    )
     path = root_dir / NOTEBOOK.name
     nbformat.write(notebook, path)
     return path
@@ -301,6 +303,14 @@ def switch_to_dark_theme(page) -> None:
     expect(page.locator(".lm-Menu")).to_have_count(0)  # the menu closed after the click
 
 
+def screenshot(locator, name: str, docs: str | None = None) -> None:
+    """A screenshot of `locator` in `.lab/artifacts/<name>` and, for the README, in `docs/<docs>`."""
+    locator.screenshot(path=ARTIFACTS / name)
+    if docs:
+        DOCS.mkdir(exist_ok=True)
+        (DOCS / docs).write_bytes((ARTIFACTS / name).read_bytes())
+
+
 def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
@@ -332,7 +342,7 @@ def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_pat
             expect(resume).to_be_visible()
             expect(chat.locator(".sx-status")).to_contain_text("the process that ran it is gone")
             chat.scroll_into_view_if_needed()
-            chat.screenshot(path=ARTIFACTS / "chat-widget-before-resume.png")
+            screenshot(chat, "chat-widget-before-resume.png", docs="chat-widget-crashed.png")
 
             resume.click()
             answer = chat.locator(".sx-msg.sx-assistant:not(.sx-live)", has_text=last_bullet())
@@ -342,7 +352,7 @@ def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_pat
             expect(chat.locator(".sx-banner")).to_have_count(0)
             expect(chat.locator(".sx-chip")).to_have_count(1)
             chat.scroll_into_view_if_needed()
-            chat.screenshot(path=ARTIFACTS / "chat-widget.png")
+            screenshot(chat, "chat-widget.png", docs="chat-widget.png")
             light = chat.evaluate(WIDGET_COLOURS)
 
             # What the kernel says about the same moment.

@@ -7,12 +7,14 @@ clients start stdio servers in a session of their own, so the kill does not reac
 server: released after the kill, it answers into a closed pipe and exits.
 """
 
+import json
+
 import pytest
 from langchain_core.tools import StructuredTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from sophos_lab import ledger_server
-from sophos_lab.lab import Lab
+from sophos_lab.lab import KIT_ROOT, Lab
 from sophos_lab.tools import IDEMPOTENCY_KEY, model_facing, with_idempotency_key
 
 COMMITTED = "/ledger-committed"
@@ -20,8 +22,24 @@ COMMITTED = "/ledger-committed"
 
 @pytest.fixture
 def lab(request, lab_home):
-    with Lab.setup(f"tests-idempotency-{request.node.name}", quiet=True) as lab:
+    with Lab.setup(f"tests-idempotency-{request.node.name}", quiet=True, extra_servers=("ledger",)) as lab:
         yield lab
+
+
+def test_only_a_lab_that_asks_for_the_ledger_offers_it(lab, lab_home):
+    kit = json.loads((KIT_ROOT / "config" / "mcp.json").read_text())
+    assert sorted(kit) == ["fetch", "memory"]  # `make lab` and the other lessons: no payment tools
+    assert sorted(json.loads((lab.config_dir / "mcp.json").read_text())) == ["fetch", "ledger", "memory"]
+    assert not (lab.config_dir / "extras").exists()  # nothing else in the lab's config can name it
+    lab.edit_mcp_config(lambda config: config.pop("fetch"))
+    lab.restore_mcp_config()  # the kit's file back, with this lab's extra server
+    assert sorted(json.loads((lab.config_dir / "mcp.json").read_text())) == ["fetch", "ledger", "memory"]
+    with Lab.setup("tests-idempotency-plain", quiet=True) as plain:
+        assert sorted(json.loads((plain.config_dir / "mcp.json").read_text())) == ["fetch", "memory"]
+        plain.add_mcp_server("ledger")
+        assert json.loads((plain.config_dir / "mcp.json").read_text())["ledger"]["args"] == ["-m", "sophos_lab.ledger_server"]
+    with pytest.raises(ValueError, match="no extra MCP server 'bank'"):
+        Lab.setup("tests-idempotency-unknown", quiet=True, extra_servers=("bank",))
 
 
 def crash_after_commit(lab, message):

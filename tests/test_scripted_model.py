@@ -17,6 +17,7 @@ from langchain_ollama import ChatOllama
 from sophos_lab.scripted_model import (
     Script,
     ScriptedModelControl,
+    Turn,
     choose_turn,
     load_scripts,
     start_scripted_model,
@@ -239,6 +240,91 @@ def test_fetch_page_wins_only_without_a_summary_request():
     plain_fetch = choose_turn(scripts, [user(f"Fetch {PAGE}, please."), ASSISTANT, TOOL])
     assert plain_fetch.script == "fetch-page"
     assert plain_fetch.turn.text.startswith(f"The page at {PAGE} ")
+
+
+FAILED_FETCH = f"Failed to fetch {PAGE} - status code 404"  # what the fetch server says (a ToolMessage with status "error")
+
+
+def fetch_page_answer(llm, result: ToolMessage) -> str:
+    """The fetch-page script's answer, through the real ChatOllama, to `result` of its tool call."""
+    request = HumanMessage(f"Fetch {PAGE}")
+    call = llm.bind_tools([fetch__fetch]).invoke([request])
+    result.tool_call_id = call.tool_calls[0]["id"]
+    return llm.bind_tools([fetch__fetch]).invoke([request, call, result]).content
+
+
+def test_a_failed_fetch_gets_an_honest_answer_and_a_successful_one_the_normal_text(llm, control):
+    failed = fetch_page_answer(llm, ToolMessage(FAILED_FETCH, tool_call_id="", status="error"))
+    assert failed.startswith(f"The fetch failed: {FAILED_FETCH}. I have not read the page at {PAGE}")
+    assert "loaded fine" not in failed
+    assert control.chat_requests("fetch-page")[-1]["branch"] == "on_tool_error"
+
+    fine = fetch_page_answer(llm, ToolMessage("Contents of the page: Example Domain", tool_call_id=""))
+    assert fine == f"The page at {PAGE} loaded fine, and its text is now in the conversation for any follow-up questions."
+    assert control.chat_requests("fetch-page")[-1]["branch"] is None
+
+
+@pytest.mark.parametrize("content", [
+    FAILED_FETCH,
+    f"Failed to fetch robots.txt {PAGE} due to a connection issue",
+    "The sites robots.txt (http://127.0.0.1:8000/robots.txt), specifies that autonomous fetching of this page is not allowed",
+    "Error: fetch__fetch is not a valid tool, try one of [memory__read_graph].",  # LangGraph's ToolNode
+    "Error executing tool fetch: boom",
+])
+def test_the_fetch_scripts_branch_on_every_kind_of_failed_result(content):
+    scripts = load_scripts(SCRIPTS)
+    failed = {"role": "tool", "content": content}
+    page = choose_turn(scripts, [user(f"Fetch {PAGE}"), ASSISTANT, failed])
+    assert (page.script, page.branch) == ("fetch-page", "on_tool_error")
+    assert page.turn.text.startswith(f"The fetch failed: {content}")
+    summary = choose_turn(scripts, [user(SUMMARISE), ASSISTANT, failed])
+    assert (summary.script, summary.branch) == ("fetch-and-summarise", "on_tool_error")
+    assert summary.turn.text.startswith("The fetch failed:") and summary.turn.pause is None
+    second = f"Fetch {PAGE} then http://127.0.0.1:8000/index.html"
+    assert choose_turn(scripts, [user(second), ASSISTANT, failed]).turn.text.startswith(f"The fetch of {PAGE} failed")
+
+
+@pytest.mark.parametrize("message", ["Pay 30 to alice.", "Pay 30 to alice, exactly once."])
+def test_a_payment_that_failed_is_not_confirmed(message):
+    # e.g. in a lab without the ledger server, where LangGraph's ToolNode answers the call
+    missing = {"role": "tool", "content": "Error: ledger__record_payment is not a valid tool, try one of [fetch__fetch]."}
+    scripts = load_scripts(SCRIPTS)
+    assert choose_turn(scripts, [user(message), ASSISTANT, missing]).turn.text.startswith(
+        "The payment to alice failed: Error: ledger__record_payment is not a valid tool")
+    assert choose_turn(scripts, [user(message), ASSISTANT, TOOL]).turn.text == "Paid 30 to alice."
+
+
+def test_only_the_results_the_reply_follows_count_and_a_page_about_errors_is_no_error():
+    scripts = load_scripts(SCRIPTS)
+    earlier_failure = [user("hello"), ASSISTANT, {"role": "tool", "content": FAILED_FETCH}, ASSISTANT]
+    fine = choose_turn(scripts, [*earlier_failure, user(f"Fetch {PAGE}"), ASSISTANT, TOOL])
+    assert fine.branch is None and "loaded fine" in fine.turn.text
+    about_errors = {"role": "tool", "content": "Contents of the page:\nError handling: Failed to fetch means ..."}
+    assert choose_turn(scripts, [user(f"Fetch {PAGE}"), ASSISTANT, about_errors]).branch is None
+    # of several results of one turn, a failed one anywhere selects the branch
+    both = [user(f"Fetch {PAGE}"), ASSISTANT, TOOL, {"role": "tool", "content": FAILED_FETCH}]
+    assert choose_turn(scripts, both).branch == "on_tool_error"
+
+
+def test_a_script_can_name_its_own_tool_error_pattern():
+    script = Script.from_dict({
+        "match": "remember",
+        "tool_error_match": r"\bnot found$",
+        "turns": [{"tool_calls": [{"name": "memory__add_observations"}]},
+                  {"text": "Noted.", "on_tool_error": {"text": "That did not work: {tool_error}"}}],
+    }, default_name="memory")
+    failed = {"role": "tool", "content": "Entity with name Ada not found"}
+    assert choose_turn([script], [user("remember"), ASSISTANT, failed]).turn.text == (
+        "That did not work: Entity with name Ada not found")
+    assert choose_turn([script], [user("remember"), ASSISTANT, TOOL]).turn.text == "Noted."
+
+
+def test_an_error_branch_is_a_turn_without_a_branch_of_its_own():
+    assert Turn.from_dict({"text": "a", "on_tool_error": {"text": "b"}}).on_tool_error == Turn(text="b")
+    with pytest.raises(ValueError, match="unknown turn keys"):
+        Turn.from_dict({"text": "a", "on_tool_error": {"txet": "b"}})
+    with pytest.raises(ValueError, match="without an \"on_tool_error\" of its own"):
+        Turn.from_dict({"on_tool_error": {"on_tool_error": {"text": "c"}}})
 
 
 def test_turns_run_out_unless_the_last_one_repeats():

@@ -8,7 +8,8 @@ It prints the kit's ready line (``{"ready": true, "url": ...}``) and, started wi
 
 - ``/api/version`` is a plain version number (so the lab does not take it for the scripted one);
 - it chooses its reply from the request, as a model would, with no script: a user message that
-  contains a URL, with a tool named like ``fetch`` offered, gets a call of that tool with the URL;
+  contains a URL, with a tool named like ``fetch`` offered, gets a call of that tool with the URL
+  ("pay N to NAME", with a tool named like ``payment`` offered, a call with ``to`` and ``amount``);
   after a tool result it answers with a short summary of that result; anything else gets a
   plain short answer;
 - ``"think": true`` streams ``message.thinking`` chunks before the answer;
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the kit, for its
 from sophos_lab._httpkit import JsonHandler, now_iso, serve  # noqa: E402
 
 VERSION = "0.12.6"
+PAY = re.compile(r"\bpay\s+(\d+)\s+to\s+(\w+)", re.IGNORECASE)
 URL = re.compile(r"https?://[^\s<>\"',;]*[^\s<>\"',;.)]")
 WORDS = re.compile(r"\S+\s*|\s+")
 BULLETS = re.compile(r"(?i)\b(\d+)\s+(?:\w+\s+)?bullet")
@@ -190,6 +192,16 @@ def decide(messages: list[dict], tools: list[dict]) -> tuple[str, str, list[dict
                 "I will pick out the start.",
                 f"Here is a short summary of {url}. It starts with: {' '.join(words[:24])}. "
                 f"The page has about {len(words)} words in all.", [])
+    payment = PAY.search(prompt)
+    payers = [t.get("function") or {} for t in tools if "payment" in str((t.get("function") or {}).get("name", ""))]
+    once = "once" in prompt.lower()  # "exactly once": the tool that says so, else the plain one
+    pay = next((f for f in payers if ("once" in f.get("name", "")) == once), payers[0] if payers else None)
+    if payment and pay:
+        params = set(((pay.get("parameters") or {}).get("properties") or {}))
+        arguments = {"to": payment[2], "amount": int(payment[1])}
+        call = {"id": "call_" + secrets.token_hex(4), "function": {
+            "index": 0, "name": pay["name"], "arguments": {k: v for k, v in arguments.items() if k in params}}}
+        return (f"The user wants {payment[1]} paid to {payment[2]}. There is a tool for that.", "", [call])
     found = URL.search(prompt)
     fetch = next((t.get("function") or {} for t in tools
                   if "fetch" in str((t.get("function") or {}).get("name", ""))), None)

@@ -1,0 +1,175 @@
+"""Golden outputs of the lessons' output-checked cells, kept out of the committed notebooks.
+
+The lessons in `notebooks/` are committed without outputs, so that a learner does not see the
+answers next to the 🔮 prompts. nbval still compares the cells marked `# NBVAL_CHECK_OUTPUT` with
+stored outputs: those live in `tests/notebooks/golden/<notebook>.json` (cell id → the outputs list
+as nbformat stores it, unsanitised; nbval sanitises both sides with `sanitize.cfg`).
+
+    python tests/notebooks/golden.py inject OUT_DIR     # OUT_DIR/<name>.ipynb = lesson + golden outputs
+    python tests/notebooks/golden.py record [NAME ...]  # execute the injected copies, store their outputs
+
+`make test` and `make test-notebooks` run `inject .lab/nbval` and then nbval on the copies. `record`
+(`make record-golden [LESSONS="..."]`) is for when a checked output changes on purpose: it injects,
+executes the copies (like nbval: a `python3` kernel whose cwd is the copy's directory) and, for the
+lessons named (all by default), rewrites the entries whose output differs after sanitising. Review
+the diff of `tests/notebooks/golden/` before committing it.
+
+The copies differ from the lessons in one more way, `NBVAL_PARAMETERS`: lesson 06 stops before
+Resume by default (`CLICK_RESUME = False`, so that Run All leaves the crashed state to the learner);
+its copy sets `CLICK_RESUME = True`, so that nbval also checks the summary after the resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
+GOLDEN = Path(__file__).resolve().parent / "golden"
+RECORD_DIR = ROOT / ".lab" / "golden-record"
+
+NBVAL_PARAMETERS: dict[str, dict[str, object]] = {"06_chat_and_resume": {"CLICK_RESUME": True}}
+"""Per lesson, the parameters the nbval copy sets in its `parameters` cell (names must exist there)."""
+
+_CHECK_MARKER = re.compile(r"(?m)^\s*#\s*NBVAL_CHECK_OUTPUT\b")
+
+
+def lessons() -> list[Path]:
+    return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+
+
+def is_checked(cell) -> bool:
+    """A cell whose output nbval compares under `--nbval-lax` (comment marker or tag)."""
+    return cell.cell_type == "code" and (
+        bool(_CHECK_MARKER.search(cell.source)) or "nbval-check-output" in cell.metadata.get("tags", [])
+    )
+
+
+def checked_ids(notebook) -> list[str]:
+    return [cell.id for cell in notebook.cells if is_checked(cell)]
+
+
+def golden_path(name: str) -> Path:
+    return GOLDEN / f"{name}.json"
+
+
+def read_golden(name: str) -> dict[str, list[dict]]:
+    path = golden_path(name)
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def write_golden(name: str, outputs: dict[str, list[dict]]) -> None:
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(outputs, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+    golden_path(name).write_text(text, encoding="utf-8")
+
+
+def set_parameters(notebook, name: str) -> None:
+    """Rewrite `NAME = ...` lines of the `parameters` cell with NBVAL_PARAMETERS[name]."""
+    values = NBVAL_PARAMETERS.get(name)
+    if not values:
+        return
+    (cell,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+    source = cell.source
+    for key, value in values.items():
+        source, count = re.subn(rf"(?m)^{re.escape(key)} = \S+", f"{key} = {value!r}", source)
+        if count != 1:
+            raise SystemExit(f"{name}: no single `{key} = ...` line in the parameters cell:\n{cell.source}")
+    cell.source = source
+
+
+def injected(path: Path):
+    """The lesson with its golden outputs (and its nbval parameters), ready for nbval."""
+    name = path.stem
+    notebook = nbformat.read(path, as_version=4)
+    golden = read_golden(name)
+    missing = [cid for cid in checked_ids(notebook) if cid not in golden]
+    if missing:
+        raise SystemExit(f"{name}: no golden outputs for checked cells {missing}; run `golden.py record {name}`")
+    code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    for number, cell in enumerate(code_cells, start=1):
+        if cell.id in golden:
+            cell.outputs = [nbformat.from_dict(output) for output in golden[cell.id]]
+            # nbval fails a reference cell with outputs but no execution count ("Unrun reference
+            # cell has outputs"); the count a Run All would give it.
+            cell.execution_count = number
+    set_parameters(notebook, name)
+    return notebook
+
+
+def inject(out_dir: Path, names: list[str] | None = None) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("*.ipynb"):
+        stale.unlink()
+    written = []
+    for path in lessons():
+        if names and path.stem not in names:
+            continue
+        out = out_dir / path.name
+        nbformat.write(injected(path), out)
+        written.append(out)
+    return written
+
+
+def record(names: list[str] | None = None, timeout: int = 120) -> None:
+    from nbclient import NotebookClient
+
+    shutil.rmtree(RECORD_DIR, ignore_errors=True)
+    for copy in inject(RECORD_DIR, names):
+        name = copy.stem
+        notebook = nbformat.read(copy, as_version=4)
+        print(f"executing {name} ...", flush=True)
+        NotebookClient(
+            notebook, timeout=timeout, startup_timeout=120, kernel_name="python3",
+            resources={"metadata": {"path": str(copy.parent)}},
+        ).execute()
+        nbformat.write(notebook, copy)  # kept for inspection
+        fresh = json.loads(json.dumps({c.id: c.outputs for c in notebook.cells if is_checked(c)}))
+        before = read_golden(name)
+        # Keep a stored entry that nbval would find equal (same after sanitising): no churn of ports or ids.
+        changed = sorted(cid for cid in fresh if cid not in before or sanitised(before[cid]) != sanitised(fresh[cid]))
+        write_golden(name, {cid: fresh[cid] if cid in changed else before[cid] for cid in fresh})
+        print(f"  {golden_path(name).relative_to(ROOT)}: {len(fresh)} checked cells, changed: {changed or 'none'}")
+
+
+def sanitised(outputs: list[dict]) -> str:
+    """The outputs as text with `sanitize.cfg`'s replacements applied (as nbval applies them)."""
+    import configparser
+
+    config = configparser.ConfigParser(interpolation=None)
+    config.read(Path(__file__).resolve().parent / "sanitize.cfg")
+    text = json.dumps(outputs, sort_keys=True, ensure_ascii=False)
+    for section in config.sections():
+        text = re.sub(config[section]["regex"], config[section]["replace"], text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inject = sub.add_parser("inject", help="write OUT_DIR/<name>.ipynb: each lesson with its golden outputs")
+    p_inject.add_argument("out_dir", type=Path)
+    p_record = sub.add_parser("record", help="execute the injected lessons and store their checked outputs")
+    p_record.add_argument("names", nargs="*", help="lessons to record, e.g. 07_side_effects_and_idempotency (default: all)")
+    args = parser.parse_args(argv)
+    known = {path.stem for path in lessons()}
+    if args.command == "inject":
+        written = inject(args.out_dir)
+        print(f"{len(written)} notebooks with golden outputs in {args.out_dir}")
+    else:
+        unknown = sorted(set(args.names) - known)
+        if unknown:
+            parser.error(f"unknown lessons {unknown}; known: {sorted(known)}")
+        record(args.names or None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

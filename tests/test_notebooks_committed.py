@@ -1,0 +1,95 @@
+"""The lessons are committed without outputs; the golden outputs for nbval live in tests/notebooks/golden/.
+
+A learner who opens a lesson must not find the answers saved next to the 🔮 prompts. nbval's
+comparisons are kept by `tests/notebooks/golden.py inject`, which puts the golden outputs back into
+copies (`make test-notebooks` runs nbval on those). These tests keep the two sides in step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "notebooks"))
+import golden  # noqa: E402
+
+NOTEBOOKS = golden.lessons()
+IDS = [p.stem for p in NOTEBOOKS]
+
+
+def test_there_are_lessons() -> None:
+    assert len(NOTEBOOKS) >= 9, NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_lesson_has_no_outputs_and_no_execution_counts(path: Path) -> None:
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    dirty = [
+        (cell.id, len(cell.outputs), cell.execution_count)
+        for cell in notebook.cells
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)
+    ]
+    assert not dirty, f"{path.name}: cells with saved outputs or execution counts (id, outputs, count): {dirty}"
+    ids = [cell.id for cell in notebook.cells]
+    assert len(ids) == len(set(ids)), f"{path.name}: duplicate cell ids"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_checked_cell_has_golden_outputs_and_none_is_orphaned(path: Path) -> None:
+    notebook = nbformat.read(path, as_version=4)
+    checked = golden.checked_ids(notebook)
+    assert checked, f"{path.name} has no `# NBVAL_CHECK_OUTPUT` cell"
+    stored = golden.read_golden(path.stem)
+    assert sorted(stored) == sorted(checked), (
+        f"{path.name}: checked cells without golden outputs: {sorted(set(checked) - set(stored))}; "
+        f"golden outputs of no checked cell: {sorted(set(stored) - set(checked))}"
+    )
+    for cell_id, outputs in stored.items():
+        assert outputs, f"{path.name}: the golden outputs of {cell_id} are empty (nbval would compare nothing)"
+
+
+def test_no_golden_file_without_a_lesson() -> None:
+    files = {p.stem for p in golden.GOLDEN.glob("*")}
+    assert files - set(IDS) == set(), f"golden files of no lesson: {sorted(files - set(IDS))}"
+
+
+def test_inject_writes_each_lesson_with_its_golden_outputs(tmp_path: Path) -> None:
+    written = golden.inject(tmp_path)
+    assert [p.name for p in written] == [p.name for p in NOTEBOOKS]
+    for copy in written:
+        notebook = nbformat.read(copy, as_version=4)
+        nbformat.validate(notebook)  # the golden outputs are valid nbformat outputs
+        stored = golden.read_golden(copy.stem)
+        lesson = nbformat.read(golden.NOTEBOOKS / copy.name, as_version=4)
+        assert [c.id for c in notebook.cells] == [c.id for c in lesson.cells], "inject must not add or drop cells"
+        for cell, original in zip(notebook.cells, lesson.cells):
+            if cell.cell_type != "code":
+                continue
+            expected = stored.get(cell.id, [])
+            assert json.loads(json.dumps(cell.outputs)) == expected, f"{copy.name} {cell.id}"
+            # nbval refuses a reference cell with outputs and no execution count
+            assert (cell.execution_count is not None) == (cell.id in stored), f"{copy.name} {cell.id}"
+            if "parameters" not in cell.metadata.get("tags", []):
+                assert cell.source == original.source, f"{copy.name} {cell.id}: only the parameters cell may change"
+
+
+def test_the_chat_lesson_stops_before_resume_and_its_nbval_copy_clicks(tmp_path: Path) -> None:
+    """06 as committed leaves Resume to the learner; nbval's copy presses it, so that the summary
+    after the resume (a checked cell) is still compared."""
+    def parameters(path: Path) -> str:
+        notebook = nbformat.read(path, as_version=4)
+        (cell,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+        return cell.source
+
+    lesson = golden.NOTEBOOKS / "06_chat_and_resume.ipynb"
+    assert re.search(r"(?m)^CLICK_RESUME = False\b", parameters(lesson))
+    (copy,) = golden.inject(tmp_path, ["06_chat_and_resume"])
+    assert re.search(r"(?m)^CLICK_RESUME = True\b", parameters(copy))
+    assert re.search(r"(?m)^CHILD = \"kernel\"", parameters(copy)), "the rest of the cell is kept"
