@@ -34,7 +34,7 @@ node_modules/.installed: package.json
 	npm install --no-audit --no-fund --no-package-lock --loglevel=error
 	touch $@
 
-# The fetch MCP server in a venv of its own starts in about 1 s instead of 4 (see sophos_lab/tools.py).
+# The fetch MCP server in a venv of its own starts in about 1 s instead of 4 (see sophos_lab/runtime/tools.py).
 .tools/fetch/.installed: pyproject.toml
 	$(PYTHON) -m venv .tools/fetch
 	.tools/fetch/bin/pip install --quiet "mcp-server-fetch==2026.10.10"

@@ -32,10 +32,10 @@ from langchain_ollama import ChatOllama
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sophos_lab._proc import stop_server  # noqa: E402
-from sophos_lab.scripted_model import start_scripted_model  # noqa: E402
-from sophos_lab.service import AgentService  # noqa: E402
-from sophos_lab.settings import Settings  # noqa: E402
+from sophos_lab.standins._proc import stop_server  # noqa: E402
+from sophos_lab.standins.scripted_model import start_scripted_model  # noqa: E402
+from sophos_lab.runtime.service import AgentService  # noqa: E402
+from sophos_lab.runtime.settings import Settings  # noqa: E402
 
 TURNS = 10
 ROUNDS = 15

@@ -8,14 +8,14 @@ from importlib import import_module
 
 # Imported on first use, so a child process that needs only the runtime does not load pandas.
 _EXPORTS = {
-    "ActiveRun": "service",
-    "AgentService": "service",
-    "ConversationDetail": "service",
-    "Lab": "lab",
-    "Settings": "settings",
-    "SophosError": "errors",
-    "dead_port_url": "lab",
-    "reveal": "lab",
+    "ActiveRun": "runtime.service",
+    "AgentService": "runtime.service",
+    "ConversationDetail": "runtime.service",
+    "Lab": "lab.harness",
+    "Settings": "runtime.settings",
+    "SophosError": "runtime.errors",
+    "dead_port_url": "lab.harness",
+    "reveal": "lab.harness",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -17,9 +17,9 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from .agent import check_model
-from .settings import Settings
-from .tools import McpTools, load_mcp_config, kit_variables
+from .runtime.agent import check_model
+from .runtime.settings import Settings
+from .runtime.tools import McpTools, load_mcp_config, kit_variables
 
 KIT_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS_DIR = KIT_ROOT / "data" / "scripts"
@@ -38,7 +38,7 @@ def lab_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     lab home, not the home directory, so a second `make lab` does not reopen old tabs and
     `sophos-lab reset` forgets them too.
     """
-    from .lab import lab_home
+    from .lab.harness import lab_home
 
     env = dict(os.environ if environ is None else environ)
     home = lab_home()
@@ -115,8 +115,8 @@ def start_lab(port: int, extra: list[str]) -> int:
     Without `OLLAMA_HOST`, a scripted model server is started first and the kit is pointed at it,
     so a machine with no Ollama works; with `OLLAMA_HOST`, that Ollama is used.
     """
-    from ._proc import stop_server
-    from .scripted_model import start_scripted_model
+    from .standins._proc import stop_server
+    from .standins.scripted_model import start_scripted_model
 
     env = lab_environment()
     env.setdefault("JUPYTER_TOKEN", secrets.token_urlsafe(24))
@@ -161,9 +161,9 @@ def doctor(environ: Mapping[str, str] | None = None) -> int:
     with the scripted model, so that is what is checked: one is started, asked and stopped.
     MCP servers' stderr goes to `.lab/doctor/mcp-<server>.log`, not to the terminal.
     """
-    from ._proc import stop_server
-    from .lab import lab_home
-    from .scripted_model import start_scripted_model
+    from .standins._proc import stop_server
+    from .lab.harness import lab_home
+    from .standins.scripted_model import start_scripted_model
 
     env = lab_environment(environ)
     problems = 0
@@ -213,7 +213,7 @@ async def _discover(tools: McpTools) -> list:
 
 def reset() -> str:
     """Delete the lab home; say what happened."""
-    from .lab import lab_home
+    from .lab.harness import lab_home
 
     home = lab_home()
     if not home.exists():
@@ -245,13 +245,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "doctor":
         sys.exit(1 if doctor() else 0)
     if args.command == "serve-model":
-        from .scripted_model import main as serve_main
+        from .standins.scripted_model import main as serve_main
 
         serve_main(["--scripts", str(SCRIPTS_DIR), "--port", str(args.port)])
     elif args.command == "reset":
         print(reset())
     elif args.command == "worker":
-        from .worker import main as worker_main
+        from .lab.worker import main as worker_main
 
         worker_main()
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from sophos_lab.events import Event
-from sophos_lab.lab import Lab
-from sophos_lab.service import AgentService
+from sophos_lab.runtime.events import Event
+from sophos_lab.lab.harness import Lab
+from sophos_lab.runtime.service import AgentService
 
 ASYNC_TEST_TIMEOUT = 120.0
 """An async test that has not finished by then fails instead of hanging the suite."""
@@ -84,7 +84,7 @@ def ollama_like():
     import subprocess
     import sys
 
-    from sophos_lab._proc import _read_line, stop_server
+    from sophos_lab.standins._proc import _read_line, stop_server
 
     server = Path(__file__).resolve().parent / "servers" / "ollama_like.py"
     env = dict(os.environ, SOPHOS_LAB_EXIT_WITH_PARENT="1")

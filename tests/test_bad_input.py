@@ -8,13 +8,13 @@ import matplotlib.pyplot as plt
 import pytest
 from conftest import integrity, statuses
 
-from sophos_lab import inspect as views
-from sophos_lab.agent import check_config, read_system_prompt
-from sophos_lab.errors import (
+from sophos_lab.lab import inspect as views
+from sophos_lab.runtime.agent import check_config, read_system_prompt
+from sophos_lab.runtime.errors import (
     AGENT_FAILURE, BAD_REQUEST, CONFIG_ERROR, NOT_FOUND, RUN_NOT_RESUMABLE, SCHEMA_TOO_NEW, SophosError,
 )
-from sophos_lab.service import parse_conversation_id
-from sophos_lab.tools import load_mcp_config
+from sophos_lab.runtime.service import parse_conversation_id
+from sophos_lab.runtime.tools import load_mcp_config
 
 VIEWS = [
     views.peek_runs, views.checkpoints, views.pending_writes, views.messages, views.thread_view,

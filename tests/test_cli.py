@@ -24,10 +24,10 @@ import pandas as pd
 import pytest
 
 from sophos_lab import cli
-from sophos_lab.agent import ModelUnavailable, check_model, classify_error
-from sophos_lab.errors import MODEL_UNAVAILABLE
-from sophos_lab.scripted_model import start_scripted_model, stop_server
-from sophos_lab.settings import Settings
+from sophos_lab.runtime.agent import ModelUnavailable, check_model, classify_error
+from sophos_lab.runtime.errors import MODEL_UNAVAILABLE
+from sophos_lab.standins.scripted_model import start_scripted_model, stop_server
+from sophos_lab.runtime.settings import Settings
 
 KIT_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = KIT_ROOT / "data" / "scripts"
@@ -131,7 +131,7 @@ def test_doctor_without_ollama_host_checks_the_scripted_model_and_exits_0(tmp_pa
 
 
 def test_doctor_with_an_ollama_host_where_nothing_answers_exits_1(tmp_path):
-    from sophos_lab.lab import dead_port_url
+    from sophos_lab.lab.harness import dead_port_url
 
     done = subprocess.run(
         [sys.executable, "-m", "sophos_lab.cli", "doctor"],
@@ -226,7 +226,7 @@ def test_reset_says_nothing_to_remove_when_nothing_is_there(tmp_path, monkeypatc
 
 
 def test_messages_display_keeps_line_breaks_and_shows_missing_values_empty(fetched):
-    from sophos_lab.inspect import messages
+    from sophos_lab.lab.inspect import messages
 
     frame = messages(fetched.db_path, fetched.conversation)
     tool = frame[frame["role"] == "tool"]["content"].iloc[0]

@@ -8,7 +8,7 @@ the lab's database: like a restarted server, it opens the file on its first requ
 import pytest
 from conftest import roles, statuses
 
-from sophos_lab.lab import Lab
+from sophos_lab.lab.harness import Lab
 
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 

@@ -46,10 +46,10 @@ from typing import Any
 import pytest
 from conftest import integrity
 
-from sophos_lab.children import EXITED, FATAL_EVENTS, ChildFailed, LabWorker
-from sophos_lab.errors import SophosError
-from sophos_lab.inspect import peek_runs
-from sophos_lab.lab import Lab
+from sophos_lab.lab.children import EXITED, FATAL_EVENTS, ChildFailed, LabWorker
+from sophos_lab.runtime.errors import SophosError
+from sophos_lab.lab.inspect import peek_runs
+from sophos_lab.lab.harness import Lab
 
 pytestmark = pytest.mark.crash_matrix
 

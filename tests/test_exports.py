@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from sophos_lab.inspect import peek_runs
+from sophos_lab.lab.inspect import peek_runs
 
 CHECKPOINT_FIELDS = {
     "checkpoint_id", "created_at", "step", "source", "next", "message_count", "last_message", "run_id",

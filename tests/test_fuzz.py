@@ -21,10 +21,10 @@ from conftest import ASYNC_TEST_TIMEOUT, integrity
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sophos_lab import inspect as views
-from sophos_lab.errors import BAD_REQUEST, CONFIG_ERROR, SophosError
-from sophos_lab.service import AgentService, parse_conversation_id
-from sophos_lab.tools import ServerConfig, load_mcp_config
+from sophos_lab.lab import inspect as views
+from sophos_lab.runtime.errors import BAD_REQUEST, CONFIG_ERROR, SophosError
+from sophos_lab.runtime.service import AgentService, parse_conversation_id
+from sophos_lab.runtime.tools import ServerConfig, load_mcp_config
 
 FAST = settings(max_examples=200, deadline=None)
 # One service serves every example of a test (see `service`), hence the function-scoped fixture.

@@ -13,9 +13,9 @@ import pytest
 from langchain_core.tools import StructuredTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from sophos_lab import ledger_server
-from sophos_lab.lab import KIT_ROOT, Lab
-from sophos_lab.tools import IDEMPOTENCY_KEY, model_facing, with_idempotency_key
+from sophos_lab.standins import ledger_server
+from sophos_lab.lab.harness import KIT_ROOT, Lab
+from sophos_lab.runtime.tools import IDEMPOTENCY_KEY, model_facing, with_idempotency_key
 
 COMMITTED = "/ledger-committed"
 
@@ -37,7 +37,7 @@ def test_only_a_lab_that_asks_for_the_ledger_offers_it(lab, lab_home):
     with Lab.setup("tests-idempotency-plain", quiet=True) as plain:
         assert sorted(json.loads((plain.config_dir / "mcp.json").read_text())) == ["fetch", "memory"]
         plain.add_mcp_server("ledger")
-        assert json.loads((plain.config_dir / "mcp.json").read_text())["ledger"]["args"] == ["-m", "sophos_lab.ledger_server"]
+        assert json.loads((plain.config_dir / "mcp.json").read_text())["ledger"]["args"] == ["-m", "sophos_lab.standins.ledger_server"]
     with pytest.raises(ValueError, match="no extra MCP server 'bank'"):
         Lab.setup("tests-idempotency-unknown", quiet=True, extra_servers=("bank",))
 

@@ -14,9 +14,9 @@ import psutil
 import pytest
 from langchain_core.messages import ToolMessage
 
-from sophos_lab.lab import dead_port_url
-from sophos_lab.settings import Settings
-from sophos_lab.tools import McpTools, ToolsUnavailable
+from sophos_lab.lab.harness import dead_port_url
+from sophos_lab.runtime.settings import Settings
+from sophos_lab.runtime.tools import McpTools, ToolsUnavailable
 
 ECHO_SERVER = Path(__file__).parent / "servers" / "echo_http.py"
 

@@ -15,10 +15,10 @@ import pytest
 from conftest import OLLAMA_LIKE_MODEL as MODEL
 from conftest import roles, statuses
 
-from sophos_lab._proc import stop_server
-from sophos_lab.errors import MODEL_UNAVAILABLE
-from sophos_lab.lab import Lab
-from sophos_lab.model_proxy import ModelProxyControl, start_model_proxy
+from sophos_lab.standins._proc import stop_server
+from sophos_lab.runtime.errors import MODEL_UNAVAILABLE
+from sophos_lab.lab.harness import Lab
+from sophos_lab.standins.model_proxy import ModelProxyControl, start_model_proxy
 
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 FETCH_TOOL = {"type": "function", "function": {

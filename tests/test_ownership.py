@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from sophos_lab.errors import OWNERSHIP_LOST, SESSION_IN_PROGRESS
-from sophos_lab.lab import Lab
+from sophos_lab.runtime.errors import OWNERSHIP_LOST, SESSION_IN_PROGRESS
+from sophos_lab.lab.harness import Lab
 
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 

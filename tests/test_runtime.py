@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from conftest import roles, statuses
 
-from sophos_lab.errors import (
+from sophos_lab.runtime.errors import (
     AGENT_FAILURE,
     MODEL_UNAVAILABLE,
     RECURSION_LIMIT,
@@ -17,8 +17,8 @@ from sophos_lab.errors import (
     SESSION_IN_PROGRESS,
     SophosError,
 )
-from sophos_lab.inspect import peek_runs
-from sophos_lab.lab import dead_port_url
+from sophos_lab.lab.inspect import peek_runs
+from sophos_lab.lab.harness import dead_port_url
 
 MISSING_ENTITY = (
     'Add the observation "has a lab" to the existing knowledge graph entity named '

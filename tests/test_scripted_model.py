@@ -14,7 +14,7 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_ollama import ChatOllama
 
-from sophos_lab.scripted_model import (
+from sophos_lab.standins.scripted_model import (
     Script,
     ScriptedModelControl,
     Turn,

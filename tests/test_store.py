@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from sophos_lab.errors import SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
-from sophos_lab.inspect import peek_runs
-from sophos_lab.store import SCHEMA_VERSION, Store, title_from_message
+from sophos_lab.runtime.errors import SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
+from sophos_lab.lab.inspect import peek_runs
+from sophos_lab.runtime.store import SCHEMA_VERSION, Store, title_from_message
 
 CONVERSATION = "6f1c7f1e-9a62-4c4e-9a55-0c2b1f0e6a11"
 
@@ -213,7 +213,7 @@ def test_a_clean_file_recovers_nothing(store):
 def test_a_version_1_file_upgrades_in_place_keeping_its_rows(db_path):
     """A file as version 1 wrote it: the tables of the first migration, one finished run and one
     left `running` (its process died). Opening it adds the ownership columns and table."""
-    from sophos_lab.store import MIGRATIONS
+    from sophos_lab.runtime.store import MIGRATIONS
 
     conn = sqlite3.connect(db_path)
     conn.executescript(f"BEGIN; {MIGRATIONS[0]}; PRAGMA user_version = 1; COMMIT;")
@@ -256,7 +256,7 @@ def left_by(db_path, run_id: str, **owner) -> None:
     """A `running` run owned by an owner row with these fields (the others like this process)."""
     import time
 
-    from sophos_lab.ownership import Owner
+    from sophos_lab.runtime.ownership import Owner
 
     store = Store(db_path)
     store.conn  # noqa: B018
@@ -361,7 +361,7 @@ def test_processes_opening_one_file_at_once_migrate_it_once(tmp_path, start):
     """Four processes open a new (or a version-1) file at the same moment, five times over."""
     import multiprocessing
 
-    from sophos_lab.store import MIGRATIONS
+    from sophos_lab.runtime.store import MIGRATIONS
 
     spawn = multiprocessing.get_context("fork")  # the children only open SQLite
     outcomes = []

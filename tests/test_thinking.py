@@ -7,12 +7,12 @@ answers; the scripted model streams that as `message.thinking` unless the reques
 
 import pytest
 
-from sophos_lab._proc import stop_server
-from sophos_lab.errors import THINKING_UNSUPPORTED
-from sophos_lab.lab import KIT_ROOT
-from sophos_lab.scripted_model import start_scripted_model
-from sophos_lab.settings import Settings
-from sophos_lab.widgets import ChatWidget
+from sophos_lab.standins._proc import stop_server
+from sophos_lab.runtime.errors import THINKING_UNSUPPORTED
+from sophos_lab.lab.harness import KIT_ROOT
+from sophos_lab.standins.scripted_model import start_scripted_model
+from sophos_lab.runtime.settings import Settings
+from sophos_lab.ui.widgets import ChatWidget
 
 THOUGHT = "The user greets me."
 ANSWER = "Hello! I am the scripted model of sophos_lab."

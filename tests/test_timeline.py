@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from sophos_lab import inspect as views  # noqa: E402
+from sophos_lab.lab import inspect as views  # noqa: E402
 
 
 def step_labels(figure):

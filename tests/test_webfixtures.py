@@ -15,7 +15,7 @@ import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
-from sophos_lab.webfixtures import WebFixturesControl, start_web_fixtures, stop_server
+from sophos_lab.standins.webfixtures import WebFixturesControl, start_web_fixtures, stop_server
 
 WEB = Path(__file__).resolve().parent.parent / "data" / "web"
 

@@ -6,11 +6,11 @@ Each test has a database of its own in `tmp_path`; the lab (model and web pages)
 
 import pytest
 
-from sophos_lab import inspect as views
-from sophos_lab.chat_model import CHILD_EXITED
-from sophos_lab.lab import dead_port_url
-from sophos_lab.scripted_model import tokenize
-from sophos_lab.widgets import ChatWidget
+from sophos_lab.lab import inspect as views
+from sophos_lab.ui.chat_model import CHILD_EXITED
+from sophos_lab.lab.harness import dead_port_url
+from sophos_lab.standins.scripted_model import tokenize
+from sophos_lab.ui.widgets import ChatWidget
 
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 

@@ -4,7 +4,7 @@
 
 It prints the kit's ready line (``{"ready": true, "url": ...}``) and, started with
 ``SOPHOS_LAB_EXIT_WITH_PARENT=1``, exits when its stdin closes. What differs from
-``sophos_lab.scripted_model`` on purpose, as a real Ollama (0.12) differs:
+``sophos_lab.standins.scripted_model`` on purpose, as a real Ollama (0.12) differs:
 
 - ``/api/version`` is a plain version number (so the lab does not take it for the scripted one);
 - it chooses its reply from the request, as a model would, with no script: a user message that
@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the kit, for its HTTP helpers
 
-from sophos_lab._httpkit import JsonHandler, now_iso, serve  # noqa: E402
+from sophos_lab.standins._httpkit import JsonHandler, now_iso, serve  # noqa: E402
 
 VERSION = "0.12.6"
 PAY = re.compile(r"\bpay\s+(\d+)\s+to\s+(\w+)", re.IGNORECASE)

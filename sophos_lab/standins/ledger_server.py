@@ -1,6 +1,6 @@
 """A tiny MCP server with a real side effect: payments recorded in a SQLite ledger (lesson 07).
 
-Run it with ``LEDGER_PATH=/abs/ledger.db python -m sophos_lab.ledger_server`` (stdio transport).
+Run it with ``LEDGER_PATH=/abs/ledger.db python -m sophos_lab.standins.ledger_server`` (stdio transport).
 
 - ``record_payment(to, amount)`` inserts a row on every call: repeat the call, pay twice.
 - ``record_payment_once(to, amount, idempotency_key)`` inserts the row and its key in one

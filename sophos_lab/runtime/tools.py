@@ -54,7 +54,7 @@ class ToolsUnavailable(Exception):
 
 def kit_variables(settings: Settings) -> dict[str, str]:
     """The `${VAR}` values the kit supplies on top of the environment."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     # A venv of its own starts the fetch server in about 1 s instead of 4: the kit's venv
     # makes it import jupyter's jsonschema format checkers. Without one, ours serves.
     fetch_python = root / ".tools" / "fetch" / "bin" / "python"

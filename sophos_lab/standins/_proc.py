@@ -20,7 +20,7 @@ from pathlib import Path
 
 # The directory that holds the ``sophos_lab`` package, so ``python -m`` finds
 # it from any working directory even when the kit is not installed.
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 
 def spawn_module(

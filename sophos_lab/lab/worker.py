@@ -9,7 +9,7 @@ handles SIGTERM:
 - with `SOPHOS_LAB_NAIVE_SHUTDOWN=1` it does what the original did: close MCP and SQLite at
   once and let the active run fail against the closed database.
 
-`python -m sophos_lab.worker` reads one JSON command per line on stdin:
+`python -m sophos_lab.lab.worker` reads one JSON command per line on stdin:
 `{"cmd": "chat", "message": ..., "conversation": ...}`, `{"cmd": "resume", "conversation": ...}`,
 `{"cmd": "conversations"}` (opens the database: recovery runs), `{"cmd": "exit"}`. A refused command answers with a `rejected` event `{code, message}`.
 
@@ -30,9 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import SophosError
-from .service import ActiveRun, AgentService
-from .settings import Settings
+from ..runtime.errors import SophosError
+from ..runtime.service import ActiveRun, AgentService
+from ..runtime.settings import Settings
 
 EVENT_PREFIX = "@@sophos "
 

@@ -12,7 +12,7 @@ client sees the model's bytes as they arrive. On the way it
 
 Run it with::
 
-    python -m sophos_lab.model_proxy --upstream URL [--port 0] [--log-file FILE]
+    python -m sophos_lab.standins.model_proxy --upstream URL [--port 0] [--log-file FILE]
 
 Pause points (arm one with ``ModelProxyControl.arm(name, after_chunks=3)``; each arming holds
 one stream):
@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from sophos_lab._httpkit import Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
-from sophos_lab._proc import spawn_module, stop_server
+from sophos_lab.standins._httpkit import Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
+from sophos_lab.standins._proc import spawn_module, stop_server
 
 __all__ = [
     "DEFAULT_AFTER_CHUNKS",
@@ -395,14 +395,14 @@ def start_model_proxy(
     args = ["--upstream", upstream, "--port", str(port)]
     if log_file is not None:
         args += ["--log-file", str(log_file)]
-    proc, ready = spawn_module("sophos_lab.model_proxy", args)
+    proc, ready = spawn_module("sophos_lab.standins.model_proxy", args)
     return proc, ready["url"]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(
-        prog="python -m sophos_lab.model_proxy", description=__doc__.splitlines()[0]
+        prog="python -m sophos_lab.standins.model_proxy", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--upstream", required=True, help="the Ollama-protocol server, e.g. http://127.0.0.1:11434")
     parser.add_argument("--host", default="127.0.0.1")

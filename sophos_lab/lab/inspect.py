@@ -17,10 +17,10 @@ from typing import Any
 
 import pandas as pd
 
-from .export import checkpoint_record
-from .messages import message_dtos, pending_dtos
-from .service import parse_conversation_id, thread_config
-from .store import unapplied_input
+from ..runtime.export import checkpoint_record
+from ..runtime.messages import message_dtos, pending_dtos
+from ..runtime.service import parse_conversation_id, thread_config
+from ..runtime.store import unapplied_input
 
 RUN_COLUMNS = [
     "id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at",
@@ -130,7 +130,7 @@ def peek_runs(db_path: str | Path, conversation: str | None = None) -> pd.DataFr
 
 
 def ledger(db_path: str | Path) -> pd.DataFrame:
-    """The ledger server's payments table (sophos_lab/ledger_server.py), oldest first."""
+    """The ledger server's payments table (sophos_lab/standins/ledger_server.py), oldest first."""
     return _query(db_path, "payments", "SELECT * FROM payments ORDER BY id", (), LEDGER_COLUMNS)
 
 
@@ -146,7 +146,7 @@ def _history(db_path: str | Path, conversation: str) -> list[Any]:
     """The thread's `StateSnapshot`s, oldest first (empty when nothing was checkpointed)."""
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from .agent import build_graph
+    from ..runtime.agent import build_graph
 
     conversation = parse_conversation_id(conversation)
     with read_only(db_path) as conn:

@@ -2,7 +2,7 @@
 
 Run it with::
 
-    python -m sophos_lab.webfixtures --root DIR [--port 0] [--log FILE]
+    python -m sophos_lab.standins.webfixtures --root DIR [--port 0] [--log FILE]
 
 It serves the files under ``--root`` (``/`` and paths ending in ``/`` serve
 that directory's ``index.html``; no listings; nothing outside the root),
@@ -22,8 +22,8 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from sophos_lab._httpkit import Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
-from sophos_lab._proc import spawn_module, stop_server
+from sophos_lab.standins._httpkit import Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
+from sophos_lab.standins._proc import spawn_module, stop_server
 
 __all__ = ["WebFixturesControl", "start_web_fixtures", "stop_server"]
 
@@ -185,14 +185,14 @@ def start_web_fixtures(
     args = ["--root", str(root), "--port", str(port)]
     if log_file is not None:
         args += ["--log", str(log_file)]
-    proc, ready = spawn_module("sophos_lab.webfixtures", args)
+    proc, ready = spawn_module("sophos_lab.standins.webfixtures", args)
     return proc, ready["url"]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(
-        prog="python -m sophos_lab.webfixtures", description=__doc__.splitlines()[0]
+        prog="python -m sophos_lab.standins.webfixtures", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--root", required=True, type=Path, help="directory of pages")
     parser.add_argument("--host", default="127.0.0.1")

@@ -7,7 +7,7 @@ The real ``langchain_ollama.ChatOllama`` client talks to it unchanged.
 
 Run it with::
 
-    python -m sophos_lab.scripted_model --scripts DIR [--port 0] [--log FILE]
+    python -m sophos_lab.standins.scripted_model --scripts DIR [--port 0] [--log FILE]
 
 Choosing a reply is stateless, so a request repeated after a crash gets the
 same turn: the script is the first (by file name) whose ``match`` regex is
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from sophos_lab._httpkit import Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
-from sophos_lab._proc import spawn_module, stop_server
+from sophos_lab.standins._httpkit import Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
+from sophos_lab.standins._proc import spawn_module, stop_server
 
 __all__ = [
     "Choice",
@@ -560,14 +560,14 @@ def start_scripted_model(
         args.append("--no-thinking")
     if log_file is not None:
         args += ["--log", str(log_file)]
-    proc, ready = spawn_module("sophos_lab.scripted_model", args)
+    proc, ready = spawn_module("sophos_lab.standins.scripted_model", args)
     return proc, ready["url"]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(
-        prog="python -m sophos_lab.scripted_model", description=__doc__.splitlines()[0]
+        prog="python -m sophos_lab.standins.scripted_model", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--scripts", required=True, type=Path, help="directory of *.json scripts")
     parser.add_argument("--host", default="127.0.0.1")

@@ -1,4 +1,4 @@
-"""The chat widget: a thin ipywidgets 8 view over `sophos_lab.chat_model.ChatViewModel`.
+"""The chat widget: a thin ipywidgets 8 view over `sophos_lab.ui.chat_model.ChatViewModel`.
 
     chat = ChatWidget.for_lab(lab)            # the agent in this process
     chat = ChatWidget.for_child(lab.kernel()) # the agent in a child kernel you can kill

@@ -105,7 +105,7 @@ def _matches(event: dict[str, Any], names: tuple[str, ...], fields: Mapping[str,
 def child_environment(overrides: Mapping[str, str]) -> dict[str, str]:
     """This process's environment without pytest's variables, plus the lab's settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    kit_parent = str(Path(__file__).resolve().parent.parent)
+    kit_parent = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (kit_parent, env.get("PYTHONPATH")) if p)
     env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
     env.update(overrides)
@@ -172,7 +172,7 @@ class _Child(abc.ABC):
 
 
 class LabWorker(_Child):
-    """The agent in a plain subprocess (`python -m sophos_lab.worker`), driven over stdin/stdout."""
+    """The agent in a plain subprocess (`python -m sophos_lab.lab.worker`), driven over stdin/stdout."""
 
     def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path) -> None:
         super().__init__(env, cwd, log_path)
@@ -187,7 +187,7 @@ class LabWorker(_Child):
         self.log = EventLog()
         with open(self.log_path, "ab") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sophos_lab.worker"],
+                [sys.executable, "-m", "sophos_lab.lab.worker"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                 env=self.env, cwd=self.cwd, start_new_session=True, text=True, bufsize=1,
             )
@@ -236,7 +236,7 @@ class LabWorker(_Child):
 
 KERNEL_NAME = "sophos-lab-child"
 _SETUP = (
-    "from sophos_lab.worker import ChildRuntime as _ChildRuntime\n"
+    "from sophos_lab.lab.worker import ChildRuntime as _ChildRuntime\n"
     "_sophos = _ChildRuntime()\n"
     "_sophos.install_signal_handlers()\n"
 )

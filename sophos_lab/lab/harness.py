@@ -31,15 +31,15 @@ from typing import Any
 import pandas as pd
 
 from . import inspect as views
-from ._proc import stop_server
-from .agent import Readiness, check_model
+from ..standins._proc import stop_server
+from ..runtime.agent import Readiness, check_model
 from .children import LabKernel, LabWorker
-from .model_proxy import ModelProxyControl, normalize_upstream, start_model_proxy
-from .scripted_model import ScriptedModelControl, start_scripted_model
-from .settings import Settings
-from .webfixtures import WebFixturesControl, start_web_fixtures
+from ..standins.model_proxy import ModelProxyControl, normalize_upstream, start_model_proxy
+from ..standins.scripted_model import ScriptedModelControl, start_scripted_model
+from ..runtime.settings import Settings
+from ..standins.webfixtures import WebFixturesControl, start_web_fixtures
 
-KIT_ROOT = Path(__file__).resolve().parent.parent
+KIT_ROOT = Path(__file__).resolve().parents[2]
 EXTRAS_DIR = KIT_ROOT / "config" / "extras"
 """MCP servers a lab adds only when asked (`extra_servers`): `<name>.json` holds `{name: entry}`."""
 
@@ -237,7 +237,7 @@ class Lab:
 
     def service(self, **env: str):
         """An `AgentService` in this process, with this lab's settings."""
-        from .service import AgentService
+        from ..runtime.service import AgentService
 
         return AgentService(self.settings(**env), log_dir=self.root / "logs")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import SophosError
+from ..runtime.errors import SophosError
 
 FINAL_EVENTS = ("end", "chat-error", "rejected", "process-exited", "kernel-error")
 """Events that end a turn: the run's own final events, a refusal, or the child going away."""
@@ -110,7 +110,7 @@ def recorded_error(status: str | None, code: str | None, message: str | None) ->
 
 
 def transcript_from_messages(messages: list[dict[str, Any]]) -> list[TranscriptItem]:
-    """Transcript items from message dicts (`sophos_lab.messages.message_dto`)."""
+    """Transcript items from message dicts (`sophos_lab.runtime.messages.message_dto`)."""
     items: list[TranscriptItem] = []
     for message in messages:
         role = message["role"]
@@ -495,7 +495,7 @@ class ServiceBackend:
 
 async def _make_service(settings: Any, log_dir: Path | None) -> Any:
     """The service, created on the loop that will run it."""
-    from .service import AgentService
+    from ..runtime.service import AgentService
 
     return AgentService(settings, log_dir=log_dir)
 
@@ -516,7 +516,7 @@ class ChildBackend:
         """How often (s) to check that the child is alive while no event arrives."""
 
     def conversations(self) -> list[ConversationSummary]:
-        from . import inspect as views
+        from ..lab import inspect as views
 
         latest = {run.conversation_id: run.status for run in views.peek_runs(self.db_path).itertuples()}
         return [
@@ -525,7 +525,7 @@ class ChildBackend:
         ]
 
     def detail(self, conversation_id: str) -> ThreadDetail:
-        from . import inspect as views
+        from ..lab import inspect as views
 
         messages, next_nodes = views.thread_view(self.db_path, conversation_id)
         runs = views.peek_runs(self.db_path, conversation_id)

@@ -1,0 +1,1 @@
+"""The teaching harness: a lab directory, children to kill, read-only views."""

@@ -1,0 +1,1 @@
+"""The durable agent: settings, storage, the graph, the run lifecycle. Imports nothing above it."""

@@ -1,0 +1,1 @@
+"""The notebook chat: a pure-Python view-model and its ipywidgets view."""
