@@ -14,15 +14,18 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import reduce
+from typing import Annotated, Any, TypedDict
 
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, SystemMessage
+from langchain_core.messages import AIMessage, AnyMessage, SystemMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.errors import GraphRecursionError
-from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.channels import DeltaChannel
+from langgraph.graph import END, START, StateGraph
+from langgraph.graph.message import add_messages
 from langgraph.prebuilt import ToolNode
 
 from . import errors
@@ -36,6 +39,20 @@ _NO_THINKING = re.compile(r"does not support thinking", re.IGNORECASE)
 #   model 'x' not found (status code: 404)       model "x" not found, try pulling it first
 _MODEL_NOT_FOUND = re.compile(r"""model\s+(?:'([^']*)'|"([^"]*)"|(\S+))\s+not found""", re.IGNORECASE)
 _STATUS_SUFFIX = re.compile(r"\s*\(status code: \d+\)\s*$")
+
+
+def add_message_batches(messages: list[AnyMessage], batches: list) -> list[AnyMessage]:
+    """`add_messages` over a batch of node writes, oldest first: the same result however the
+    writes are grouped, which `DeltaChannel` needs to replay them."""
+    return reduce(add_messages, batches, messages)
+
+
+class AgentState(TypedDict):
+    # Each checkpoint stores only the messages its step added (with a full copy every
+    # `snapshot_frequency` updates), not the whole list again: the file grows with the thread,
+    # not with its square. Files written with LangGraph's default channel still read: a plain
+    # list blob is taken as the starting value.
+    messages: Annotated[list[AnyMessage], DeltaChannel(add_message_batches)]
 
 
 class ModelUnavailable(Exception):
@@ -108,7 +125,7 @@ def chat_model(settings: Settings) -> BaseChatModel:
 def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):
     """Compile the graph. With `parts=None` the graph can only be read, not run."""
 
-    async def agent(state: MessagesState, config: RunnableConfig) -> dict:
+    async def agent(state: AgentState, config: RunnableConfig) -> dict:
         assert parts is not None, "this graph was built for reading only"
         tools = await parts.tools()
         model = parts.model()
@@ -129,7 +146,7 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):
             raise
         return {"messages": [response]}
 
-    async def tools(state: MessagesState, config: RunnableConfig) -> dict:
+    async def tools(state: AgentState, config: RunnableConfig) -> dict:
         assert parts is not None, "this graph was built for reading only"
         thread_id = config["configurable"]["thread_id"]
 
@@ -141,7 +158,7 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):
         node = ToolNode(await parts.tools(), awrap_tool_call=keyed)
         return await node.ainvoke(state, config)
 
-    builder = StateGraph(MessagesState)
+    builder = StateGraph(AgentState)
     builder.add_node("agent", agent)
     builder.add_node("tools", tools)
     builder.add_edge(START, "agent")
@@ -150,7 +167,7 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):
     return builder.compile(checkpointer=checkpointer)
 
 
-def route_after_agent(state: MessagesState) -> str:
+def route_after_agent(state: AgentState) -> str:
     last = state["messages"][-1]
     return "tools" if isinstance(last, AIMessage) and last.tool_calls else END
 
