@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,15 @@ KERNEL_ERROR = "kernel-error"
 FATAL_EVENTS = (EXITED, KERNEL_ERROR)
 
 
+FINAL_EVENTS = ("end", "chat-error", "rejected")
+
+
 class ChildFailed(RuntimeError):
     """The child died, or its cell raised, while we were waiting for one of its events."""
+
+
+class AnotherPath(RuntimeError):
+    """The model kept answering without the tool call a lesson's kill point needs."""
 
 
 class EventLog:
@@ -65,21 +72,27 @@ class EventLog:
     ) -> dict[str, Any]:
         """The first event named `names` (one or several) whose data has `fields`, from `since`."""
         names = (names,) if isinstance(names, str) else names
+        return self.wait_until(lambda event: _matches(event, names, fields), f"{names} {fields or ''}",
+                               timeout, since, expected=names)
+
+    def wait_until(
+        self, match: Callable[[dict[str, Any]], bool], description: str, timeout: float = 60.0,
+        since: int | None = None, expected: tuple[str, ...] = (),
+    ) -> dict[str, Any]:
+        """The first event that `match`es, from `since`; a child's death on the way raises."""
         deadline = time.monotonic() + timeout
         with self._changed:
             index = self.mark if since is None else since
             while True:
                 for event in self.events[index:]:
-                    if _matches(event, names, fields):
+                    if match(event):
                         return event
-                    if event["event"] in FATAL_EVENTS and event["event"] not in names:
-                        raise ChildFailed(
-                            f"{event['event']} ({event['data']}) before {names} {fields or ''}"
-                        )
+                    if event["event"] in FATAL_EVENTS and event["event"] not in expected:
+                        raise ChildFailed(f"{event['event']} ({event['data']}) before {description}")
                 index = len(self.events)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"no {names} event {fields or ''} within {timeout} s")
+                    raise TimeoutError(f"no {description} event within {timeout} s")
                 self._changed.wait(remaining)
 
     def of_command(self) -> list[dict[str, Any]]:
@@ -143,7 +156,50 @@ class _Child(abc.ABC):
 
     def wait_final(self, timeout: float = 120.0) -> dict[str, Any]:
         """The latest command's final event: `end`, `chat-error` or `rejected`."""
-        return self.log.wait_for(("end", "chat-error", "rejected"), timeout=timeout)
+        return self.log.wait_for(FINAL_EVENTS, timeout=timeout)
+
+    def wait_for_tool_call(self, timeout: float = 60.0) -> dict[str, Any] | None:
+        """The latest command's first tool `call` trace, or None if its run ended without one
+        (a real model may answer in words instead)."""
+        event = self.log.wait_until(
+            lambda e: e["event"] in FINAL_EVENTS or _matches(e, ("trace",), {"event": "call"}),
+            "tool call or final", timeout)
+        return event if event["event"] == "trace" else None
+
+    def chat_until_tool_call(self, message: str, tool: str | None = None, attempts: int = 3) -> str:
+        """Send `message` in a new conversation until the model answers it with a tool call (of
+        `tool`, when given); the conversation. A kill point that needs the tool step (a held
+        page, the answer after the tool result) can then be waited for.
+
+        The scripted model always calls the tool. A real model may answer in words instead: then
+        this says so, asks again in a new conversation, and after `attempts` tries raises
+        `AnotherPath` saying what to try.
+        """
+        for attempt in range(1, attempts + 1):
+            self.chat(message)
+            conversation = self.conversation()
+            call = self.wait_for_tool_call()
+            if call is not None:
+                name = call["data"]["data"]["name"]
+                if tool is None or name == tool:
+                    return conversation
+                raise AnotherPath(
+                    f"The model called {name} instead of {tool}, so this lesson's kill point will "
+                    f"not come. Run the cell again, or make the message name {tool} more plainly.")
+            final = self.wait_final()
+            answer = " ".join("".join(e["data"] for e in self.events() if e["event"] == "token").split())
+            outcome = (f"answered without calling {tool or 'a tool'}" if final["event"] == "end"
+                       else f"ended with {final['event']} {final['data'].get('code', '')}".rstrip())
+            print(f"Attempt {attempt} of {attempts}: the model {outcome}"
+                  + (f": “{answer[:160]}{'…' if len(answer) > 160 else ''}”" if answer else "."))
+            if final["event"] != "end":
+                break
+            if attempt < attempts:
+                print("A real model may do that. Asking again, in a new conversation.")
+        raise AnotherPath(
+            f"The model did not call {tool or 'a tool'}, so this lesson cannot reach its kill point. "
+            "Try a model that supports tools (`ollama show <model>` lists `tools` under "
+            "Capabilities; qwen3 and llama3.1 do), or make the message name the tool more plainly.")
 
     def conversation(self) -> str:
         """The conversation of the latest command (from its `started` event)."""

@@ -16,7 +16,10 @@ It prints the kit's ready line (``{"ready": true, "url": ...}``) and, started wi
 - tool calls carry an ``id`` and ``function.index``;
 - the last chunk has ``done: true``, ``done_reason`` and the timing fields;
 - an unknown model gets the newer 404 wording ``model "x" not found, try pulling it first``;
-- ``/api/show`` lists ``capabilities``.
+- ``/api/show`` lists ``capabilities``;
+- a second tag, ``<model>-hesitant``, is the same model on a day it does not reach for tools at
+  once: the first time it is asked something it would answer with a tool call, it answers in
+  words instead (asked the same again, it calls the tool), as a real model sometimes does.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import re
 import secrets
 import sys
+import threading
 import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -50,13 +54,33 @@ class OllamaLike(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], model: str) -> None:
         super().__init__(address, _Handler)
         self.tag = model if ":" in model else f"{model}:latest"
+        name, _, version = self.tag.partition(":")
+        self.hesitant_tag = f"{name}-hesitant:{version}"
+        self.asked: set[str] = set()  # prompts the hesitant tag has answered without its tool
+        self.asked_lock = threading.Lock()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
             super().handle_error(request, client_address)  # a client that hung up is no error
 
     def knows(self, model: Any) -> bool:
-        return isinstance(model, str) and (model == self.tag or f"{model}:latest" == self.tag)
+        return self.resolve(model) is not None
+
+    def resolve(self, model: Any) -> str | None:
+        """The tag `model` names (`x` means `x:latest`), if this server has it."""
+        if not isinstance(model, str):
+            return None
+        tag = model if ":" in model else f"{model}:latest"
+        return tag if tag in (self.tag, self.hesitant_tag) else None
+
+    def hesitates(self, model: str, prompt: str) -> bool:
+        """True the first time the hesitant tag is asked `prompt`."""
+        if self.resolve(model) != self.hesitant_tag:
+            return False
+        with self.asked_lock:
+            first = prompt not in self.asked
+            self.asked.add(prompt)
+        return first
 
 
 class _Handler(JsonHandler):
@@ -74,7 +98,7 @@ class _Handler(JsonHandler):
         elif path == "/api/version":
             self.send_json(200, {"version": VERSION})
         elif path == "/api/tags":
-            self.send_json(200, {"models": [self._card()]})
+            self.send_json(200, {"models": [self._card(self.server.tag), self._card(self.server.hesitant_tag)]})
         else:
             self.send_json(404, {"error": "404 page not found"})
 
@@ -104,6 +128,9 @@ class _Handler(JsonHandler):
         started = time.monotonic()
         messages = [m for m in body.get("messages") or [] if isinstance(m, dict)]
         thinking, text, calls = decide(messages, body.get("tools") or [])
+        if calls and self.server.hesitates(model, last_user_prompt(messages)):
+            thinking, text, calls = ("I can answer this without a tool.",
+                                     "I would rather not open that myself. Ask me again and I will.", [])
         think = body.get("think") is True
         chunks = []
         if think:
@@ -145,8 +172,8 @@ class _Handler(JsonHandler):
 
     # --- metadata -------------------------------------------------------
 
-    def _card(self) -> dict:
-        return {"name": self.server.tag, "model": self.server.tag,
+    def _card(self, tag: str) -> dict:
+        return {"name": tag, "model": tag,
                 "modified_at": "2025-10-01T12:00:00.000000000Z", "size": 522653767,
                 "digest": "ab" * 32, "details": DETAILS}
 
@@ -167,10 +194,14 @@ DETAILS = {"parent_model": "", "format": "gguf", "family": "ollama-like", "famil
            "parameter_size": "600M", "quantization_level": "Q4_K_M"}
 
 
+def last_user_prompt(messages: list[dict]) -> str:
+    return next((str(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"), "")
+
+
 def decide(messages: list[dict], tools: list[dict]) -> tuple[str, str, list[dict]]:
     """(thinking, text, tool_calls) for this history, chosen as a model would choose them."""
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
-    prompt = str(messages[last_user].get("content") or "") if last_user >= 0 else ""
+    prompt = last_user_prompt(messages)
     since = messages[last_user + 1:]
     results = [m for m in since if m.get("role") == "tool"]
     if results:
