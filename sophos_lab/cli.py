@@ -1,5 +1,5 @@
 """`sophos-lab`: start JupyterLab on the lessons, check the surroundings (`doctor`), serve the
-scripted model, reset lab state."""
+scripted model, reset lab state, and keep a database small (`delete`, `prune`, `vacuum`)."""
 
 from __future__ import annotations
 
@@ -222,6 +222,92 @@ def reset() -> str:
     return f"removed {home}" if not home.exists() else f"could not remove all of {home}"
 
 
+RETENTION_NOTE = (
+    "Only the database file (DATABASE_PATH, or --database) is changed: the memory server's file "
+    "(MEMORY_FILE_PATH) and any other MCP server's data are never touched."
+)
+
+
+def retention(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """`delete`, `prune` and `vacuum` on the lab's database (or `--database`); 0 when done.
+
+    A refusal (an unknown conversation, one that a live process is running) is printed with its
+    code on stderr and returns 1, with nothing changed.
+    """
+    from .runtime import retention as rules
+    from .runtime.errors import SophosError
+    from .runtime.service import AgentService
+
+    env = lab_environment(environ)
+    if args.database:
+        env["DATABASE_PATH"] = args.database
+    service = AgentService(Settings.from_env(env))
+    path = service.settings.database_path
+
+    async def run() -> int:
+        try:
+            if args.command == "delete":
+                print((await service.delete_conversation(args.conversation, dry_run=args.dry_run)).describe())
+            elif args.command == "prune":
+                targets = rules.conversation_ids(path) if args.all else [args.conversation]
+                for conversation in targets:
+                    try:
+                        print((await service.prune_conversation(
+                            conversation, keep=args.keep, dry_run=args.dry_run)).describe())
+                    except SophosError as error:
+                        if not args.all:
+                            raise
+                        print(f"{conversation}: left as it is: {error}")
+                if args.all and not targets:
+                    print(f"{path}: no conversations")
+            if args.command == "vacuum" or (args.vacuum and not args.dry_run):
+                print((await service.vacuum()).describe())
+        except SophosError as error:
+            print(f"sophos-lab {args.command}: {error}", file=sys.stderr)
+            return 1
+        finally:
+            await service.aclose()
+        return 0
+
+    return asyncio.run(run())
+
+
+def _add_retention_commands(commands: argparse._SubParsersAction) -> None:
+    def database(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--database", metavar="PATH",
+                            help="the SQLite file (default: DATABASE_PATH, else the lab's .lab/default/sophos.db)")
+
+    delete = commands.add_parser(
+        "delete", help="delete a conversation: its runs, checkpoints and writes, in one transaction",
+        description="Delete a conversation with its runs, checkpoints, writes and prune records, in one "
+                    "transaction. Refused while a live process runs it; a crashed run is recovered first. "
+                    + RETENTION_NOTE)
+    delete.add_argument("conversation", help="the conversation id")
+    delete.add_argument("--dry-run", action="store_true", help="say what would be deleted; change nothing")
+    delete.add_argument("--vacuum", action="store_true", help="VACUUM afterwards to shrink the file")
+    database(delete)
+
+    prune = commands.add_parser(
+        "prune", help="delete a thread's older checkpoints, keeping its messages and its resume",
+        description="Delete the older checkpoints of a conversation's thread and their writes. The thread "
+                    "keeps its messages exactly and still resumes; its runs are kept, and the history "
+                    "view says what was pruned. " + RETENTION_NOTE)
+    target = prune.add_mutually_exclusive_group(required=True)
+    target.add_argument("conversation", nargs="?", help="the conversation id")
+    target.add_argument("--all", action="store_true", help="every conversation (running ones are left out)")
+    prune.add_argument("--keep", type=int, metavar="N",
+                       help="keep the newest N checkpoints (default: those of the latest run)")
+    prune.add_argument("--dry-run", action="store_true", help="say what would be deleted; change nothing")
+    prune.add_argument("--vacuum", action="store_true", help="VACUUM afterwards to shrink the file")
+    database(prune)
+
+    vacuum = commands.add_parser(
+        "vacuum", help="shrink the database file: give deleted rows' space back (SQLite VACUUM)",
+        description="VACUUM the database and fold its WAL back into it; print its size before and after. "
+                    "Refused while a run is running. " + RETENTION_NOTE)
+    database(vacuum)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="sophos-lab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -236,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
                        help="port to listen on (default 11434, Ollama's own; 0 picks a free one)")
     commands.add_parser("reset", help="delete all lab state (.lab/)")
     commands.add_parser("worker", help="run the agent as a child process driven over stdin")
+    _add_retention_commands(commands)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -254,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
         from .lab.worker import main as worker_main
 
         worker_main()
+    elif args.command in ("delete", "prune", "vacuum"):
+        sys.exit(retention(args))
 
 
 if __name__ == "__main__":

@@ -54,9 +54,9 @@ def test_nothing_is_opened_or_created_before_first_use(db_path):
 def test_first_open_applies_the_migrations_and_records_the_version(store, db_path):
     store.list_conversations()
     assert store.is_open
-    assert SCHEMA_VERSION == 2
-    assert user_version(db_path) == 2
-    assert {"conversations", "runs", "owners"} <= tables(db_path)
+    assert SCHEMA_VERSION == 3
+    assert user_version(db_path) == 3
+    assert {"conversations", "runs", "owners", "prunes"} <= tables(db_path)
 
 
 def test_reopening_keeps_the_data_and_does_not_rerun_migrations(store, db_path):
@@ -225,8 +225,8 @@ def test_a_version_1_file_upgrades_in_place_keeping_its_rows(db_path):
 
     store = reopen(db_path)
     try:
-        assert user_version(db_path) == 2
-        assert "owners" in tables(db_path)
+        assert user_version(db_path) == SCHEMA_VERSION
+        assert {"owners", "prunes"} <= tables(db_path)
         [conversation] = store.list_conversations()
         assert (conversation.title, conversation.message_count) == ("hello", 2)
         first, second = store.list_runs(CONVERSATION)
@@ -235,6 +235,28 @@ def test_a_version_1_file_upgrades_in_place_keeping_its_rows(db_path):
         assert store.recovered_runs == 1
         store.start_run("run-3", CONVERSATION, [{"id": "m1", "content": "hi"}])
         assert store.get_run("run-3").owner_id == store.owner.id
+    finally:
+        store.close()
+
+
+def test_a_version_2_file_gains_the_prune_record_in_place(db_path):
+    """Schema version 3 adds `prunes` (what `sophos-lab prune` deleted); a version-2 file keeps its rows."""
+    from sophos_lab.runtime.store import MIGRATIONS
+
+    conn = sqlite3.connect(db_path)
+    conn.executescript(f"BEGIN; {MIGRATIONS[0]}; {MIGRATIONS[1]}; PRAGMA user_version = 2; COMMIT;")
+    conn.execute("INSERT INTO conversations VALUES (?, 'hello', 't0', 't1', 2)", (CONVERSATION,))
+    conn.execute("INSERT INTO runs (id, conversation_id, status, started_at, finished_at)"
+                 " VALUES ('run-1', ?, 'completed', 't0', 't1')", (CONVERSATION,))
+    conn.commit()
+    conn.close()
+
+    store = reopen(db_path)
+    try:
+        assert user_version(db_path) == 3
+        assert "prunes" in tables(db_path)
+        [run] = store.list_runs(CONVERSATION)
+        assert (run.id, run.status) == ("run-1", "completed")
     finally:
         store.close()
 

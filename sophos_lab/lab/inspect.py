@@ -9,9 +9,7 @@ A conversation id is checked as the service checks it: anything else is a `BAD_R
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ import pandas as pd
 from ..runtime.export import checkpoint_record
 from ..runtime.messages import message_dtos, pending_dtos
 from ..runtime.service import parse_conversation_id, thread_config
-from ..runtime.store import unapplied_input
+from ..runtime.store import read_only, unapplied_input
 
 RUN_COLUMNS = [
     "id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at",
@@ -33,20 +31,6 @@ CHECKPOINT_COLUMNS = [
 WRITE_COLUMNS = ["checkpoint_id", "step", "task_id", "task_path", "idx", "channel", "value"]
 MESSAGE_COLUMNS = ["role", "content", "name", "status", "tool_calls"]
 LEDGER_COLUMNS = ["id", "to_account", "amount", "idempotency_key", "created_at"]
-
-
-@contextlib.contextmanager
-def read_only(db_path: str | Path) -> Iterator[sqlite3.Connection | None]:
-    """A read-only connection, or None when the file does not exist yet."""
-    path = Path(db_path)
-    if not path.exists():
-        yield None
-        return
-    conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, check_same_thread=False)
-    try:
-        yield conn
-    finally:
-        conn.close()
 
 
 def _has_table(conn: sqlite3.Connection, name: str) -> bool:
@@ -158,9 +142,31 @@ def _history(db_path: str | Path, conversation: str) -> list[Any]:
         return list(graph.get_state_history(thread_config(conversation)))[::-1]
 
 
-def checkpoints(db_path: str | Path, conversation: str) -> pd.DataFrame:
-    """One row per checkpoint of the thread, oldest first, joined to the run that wrote it."""
+def _pruned_rows(db_path: str | Path, conversation: str) -> list[dict[str, Any]]:
+    """One row per prune of the thread (`source` says how many checkpoints went, which steps,
+    and `created_at` when), to stand where those checkpoints were."""
+    from ..runtime.retention import prune_records
+
+    with read_only(db_path) as conn:
+        records = prune_records(conn, parse_conversation_id(conversation))
     rows = []
+    for record in records:
+        steps = "" if record["first_step"] is None else f", steps {record['first_step']} to {record['last_step']}"
+        rows.append({
+            "step": None, "next": (), "message_count": None, "last_role": None, "run_id": None, "checkpoint_id": None,
+            "source": f"pruned: {record['checkpoints']} older checkpoints{steps}",
+            "created_at": record["pruned_at"],
+        })
+    return rows
+
+
+def checkpoints(db_path: str | Path, conversation: str) -> pd.DataFrame:
+    """One row per checkpoint of the thread, oldest first, joined to the run that wrote it.
+
+    A thread that was pruned (`sophos-lab prune`) starts with one row per prune instead of the
+    checkpoints it deleted: its `source` says how many went and which steps, `created_at` when.
+    """
+    rows = _pruned_rows(db_path, conversation)
     for snapshot in _history(db_path, conversation):
         record = checkpoint_record(snapshot)
         last = record["last_message"]
@@ -293,6 +299,7 @@ def timeline(db_path: str | Path, conversation: str, model_requests: Any = ()):
     conversation = parse_conversation_id(conversation)  # before a figure is made
     runs = peek_runs(db_path, conversation)
     points = checkpoints(db_path, conversation)
+    points = points[points["checkpoint_id"].notna()]  # the rows that say what was pruned
     origin = pd.Timestamp(runs["started_at"].iloc[0]).timestamp() if len(runs) else 0.0
 
     def seconds(value: Any) -> float:

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -31,13 +31,15 @@ from langchain_core.messages import HumanMessage
 from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
 
-from . import errors
+from . import errors, retention
 from .agent import AgentParts, build_graph, chat_model, check_config, classify_error, read_system_prompt
 from .checkpointer import NotifyingSaver, is_fenced, shared_lock
 from .errors import SophosError
 from .events import DurableGate, Event, StreamTranslator
 from .export import checkpoint_jsonl, markdown_transcript
 from .messages import message_dtos, pending_dtos
+from .ownership import Owner
+from .retention import Removal, Vacuum
 from .settings import Settings
 from .store import Conversation, Run, Store, unapplied_input
 from .tools import McpTools
@@ -444,3 +446,67 @@ class AgentService:
         except (Exception, asyncio.CancelledError):  # a late shutdown cancel must not skip the record
             return None
         return len(message_dtos(state.values.get("messages", [])))
+
+    # retention (see `retention`): only this SQLite file; the memory server's file is never touched
+
+    async def delete_conversation(self, conversation: object, dry_run: bool = False) -> Removal:
+        """Delete the conversation with its runs, checkpoints, writes and prune records, in one
+        transaction; what went (with `dry_run`: what would go, read-only, nothing changed).
+
+        Refused with `SESSION_IN_PROGRESS` while a live process runs it. A run whose process is
+        gone (a crash) is recovered first, so a crashed conversation can be deleted.
+        """
+        conversation_id = parse_conversation_id(conversation)
+        self._check_idle(conversation_id)
+        path = self.settings.database_path
+        # Read-only first: a refusal (unknown, running) writes nothing, not even an owner row.
+        with retention.read_only(path) as conn:
+            removal = retention.plan_delete(conn, conversation_id)
+            retention.recoverable_runs(conn, conversation_id, self._retention_owner(), "delete")
+        if dry_run:
+            return replace(removal, dry_run=True)
+        async with shared_lock(path):
+            with self.store.transaction() as conn:
+                return retention.delete_conversation(conn, conversation_id, self._retention_owner())
+
+    async def prune_conversation(self, conversation: object, keep: int | None = None,
+                                 dry_run: bool = False) -> Removal:
+        """Delete the thread's older checkpoints and their writes, keeping its state exactly.
+
+        Kept: the newest `keep` checkpoints of the thread (default: those of the run that wrote
+        the latest one) and their writes; the oldest kept one is given the whole message list,
+        so the thread reads, resumes and takes new messages as before. Runs are all kept. Each
+        prune is recorded (`prunes`) and shown by the checkpoint-history view. Refused while a
+        live process runs the conversation; `dry_run` says what would go and changes nothing.
+        """
+        conversation_id = parse_conversation_id(conversation)
+        keep = retention.parse_keep(keep)
+        self._check_idle(conversation_id)
+        path = self.settings.database_path
+        with retention.read_only(path) as conn:
+            retention.require_conversation(conn, conversation_id)
+            retention.recoverable_runs(conn, conversation_id, self._retention_owner(), "prune")
+            if dry_run:
+                return replace(retention.plan_prune(conn, conversation_id, keep).removal, dry_run=True)
+        async with shared_lock(path):
+            with self.store.transaction() as conn:
+                return retention.prune_conversation(conn, path, conversation_id, keep, self._retention_owner())
+
+    async def vacuum(self) -> Vacuum:
+        """Give the space of deleted rows back to the file system (`VACUUM`, then the WAL folded
+        back into the file); the file's size before and after. Refused while a run is running."""
+        self._require_file()
+        async with shared_lock(self.settings.database_path):
+            return retention.vacuum(self.store.conn, self.settings.database_path, self._retention_owner())
+
+    def _require_file(self) -> None:
+        """Retention on a file that does not exist is refused, and does not create it."""
+        if not self.store.is_open and not self.settings.database_path.exists():
+            raise SophosError(errors.NOT_FOUND, f"No database at {self.settings.database_path}")
+
+    def _retention_owner(self) -> Owner | None:
+        """Who judges whether a run's owner is gone: this store (a fresh identity before it is
+        open); None under the original's single-owner rule, where every `running` run is live."""
+        if self.settings.single_owner:
+            return None
+        return self.store.owner or Owner.here()

@@ -15,10 +15,12 @@ With `single_owner=True` the store does what the original did: the first open re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -70,6 +72,23 @@ MIGRATIONS: tuple[str, ...] = (
     );
     ALTER TABLE runs ADD COLUMN owner_id TEXT;
     ALTER TABLE runs ADD COLUMN input TEXT;
+    """,
+    # v3: a record of every prune (see `retention`), so that the history views can say which
+    # checkpoints are no longer there: how many, which steps, when. `kept_from` is the oldest
+    # checkpoint kept, which holds the whole message list from then on.
+    """
+    CREATE TABLE prunes (
+        id INTEGER PRIMARY KEY,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        pruned_at TEXT NOT NULL,
+        checkpoints INTEGER NOT NULL,
+        writes INTEGER NOT NULL,
+        bytes INTEGER NOT NULL,
+        first_step INTEGER,
+        last_step INTEGER,
+        kept_from TEXT NOT NULL
+    );
+    CREATE INDEX prunes_by_conversation ON prunes (conversation_id, id);
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -132,6 +151,25 @@ def title_from_message(message: str) -> str:
 def schema_version(conn: sqlite3.Connection) -> int:
     return conn.execute("PRAGMA user_version").fetchone()[0]
 
+
+
+@contextlib.contextmanager
+def read_only(path: str | Path) -> Iterator[sqlite3.Connection | None]:
+    """A read-only connection to the file (None when it does not exist): it never writes."""
+    path = Path(path)
+    if not path.exists():
+        yield None
+        return
+    conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+    try:
+        version = schema_version(conn)
+        if version > SCHEMA_VERSION:
+            raise SophosError(SCHEMA_TOO_NEW, (
+                f"{path} has schema version {version}, but this sophos_lab knows versions up to "
+                f"{SCHEMA_VERSION}; the file was not changed."))
+        yield conn
+    finally:
+        conn.close()
 
 def use_wal(conn: sqlite3.Connection, attempts: int = 100) -> None:
     """Switch the file to WAL. On a new file several processes may try at once, and SQLite
@@ -299,6 +337,20 @@ class Store:
                     pass  # closing anyway: the lease runs out instead
                 self._conn.close()
                 self._conn = None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """The connection inside one write transaction (`BEGIN IMMEDIATE`), committed when the
+        block ends and rolled back when it raises."""
+        conn = self.conn
+        with self._lock:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
 
     def _transaction(self, statements: list[tuple[str, tuple]]) -> list[int]:
         """Run the statements in one write transaction; their row counts."""
