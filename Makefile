@@ -16,7 +16,7 @@ define run_nbval
 	$(BIN)/pytest $(NBVAL_FLAGS) $(NBVAL_COPIES)
 endef
 
-.PHONY: setup lab test test-unit test-notebooks record-golden benchmark reset clean
+.PHONY: setup lab test test-unit test-notebooks record-golden bench benchmark reset clean
 
 setup: $(VENV)/.installed node_modules/.installed .tools/fetch/.installed
 
@@ -64,8 +64,12 @@ test-notebooks: setup
 record-golden: setup
 	$(BIN)/python tests/notebooks/golden.py record $(LESSONS)
 
-benchmark: setup
-	$(BIN)/python benchmarks/steps.py
+# Every benchmark in one table (benchmarks/bench.py): per step, storage growth, listing at scale,
+# child start-up, kill -> resume. `make bench BENCH_FLAGS=--quick` for a smoke run.
+bench: setup
+	$(BIN)/python benchmarks/bench.py $(BENCH_FLAGS)
+
+benchmark: bench
 
 reset:
 	rm -rf .lab

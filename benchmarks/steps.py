@@ -11,6 +11,8 @@ Each variant runs the conversation ROUNDS times on a fresh database; the median 
 step is printed, with the ratios (a)/(b) and (b)/(c). Target: (a)/(b) <= 1.10.
 
     python benchmarks/steps.py
+
+`rows(quick)` gives the same figures to `benchmarks/bench.py` (`make bench`).
 """
 
 from __future__ import annotations
@@ -103,24 +105,45 @@ async def run_kit(url: str, folder: Path) -> float:
         await service.aclose()
 
 
-async def main() -> None:
+async def measure(rounds: int = ROUNDS, trace_memory: bool = True) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Seconds per step of each variant, one figure per round; and each one's peak traced memory
+    (tracing slows every variant down, so `rows` measures time without it)."""
     server, url = start_scripted_model(ROOT / "data" / "scripts")
     results: dict[str, list[float]] = {"kit": [], "bare": [], "memory": []}
     peaks: dict[str, int] = {}
     try:
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for name in results:  # interleaved, so drift on the machine hits all three alike
                 with tempfile.TemporaryDirectory() as tmp:
-                    tracemalloc.start()
+                    if trace_memory:
+                        tracemalloc.start()
                     if name == "kit":
                         seconds = await run_kit(url, Path(tmp))
                     else:
                         seconds = await run_bare(url, Path(tmp), in_memory=name == "memory")
-                    peaks[name] = max(peaks.get(name, 0), tracemalloc.get_traced_memory()[1])
-                    tracemalloc.stop()
+                    if trace_memory:
+                        peaks[name] = max(peaks.get(name, 0), tracemalloc.get_traced_memory()[1])
+                        tracemalloc.stop()
                 results[name].append(seconds / TURNS)  # one graph step (agent) per turn
     finally:
         stop_server(server)
+    return results, peaks
+
+
+def rows(quick: bool = False) -> list[dict]:
+    results, _ = asyncio.run(measure(rounds=2 if quick else ROUNDS, trace_memory=False))
+    median = {name: statistics.median(values) * 1000 for name, values in results.items()}
+    scale = f"{TURNS}-turn conversation"
+    return [
+        {"benchmark": "steps", "measure": f"time per step, SQLite saver, durability sync ({scale})",
+         "kit": median["kit"], "bare": median["bare"], "unit": "ms"},
+        {"benchmark": "steps", "measure": f"time per step, bare = LangGraph with InMemorySaver ({scale})",
+         "kit": median["kit"], "bare": median["memory"], "unit": "ms"},
+    ]
+
+
+async def main() -> None:
+    results, peaks = await measure()
     median = {name: statistics.median(values) for name, values in results.items()}
     print(f"{TURNS}-turn conversation, {ROUNDS} rounds, scripted model with zero token delay")
     for label, name in (("(a) kit service", "kit"), ("(b) LangGraph + AsyncSqliteSaver", "bare"),

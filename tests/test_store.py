@@ -54,8 +54,8 @@ def test_nothing_is_opened_or_created_before_first_use(db_path):
 def test_first_open_applies_the_migrations_and_records_the_version(store, db_path):
     store.list_conversations()
     assert store.is_open
-    assert SCHEMA_VERSION == 3
-    assert user_version(db_path) == 3
+    assert SCHEMA_VERSION == 4
+    assert user_version(db_path) == 4
     assert {"conversations", "runs", "owners", "prunes"} <= tables(db_path)
 
 
@@ -253,7 +253,7 @@ def test_a_version_2_file_gains_the_prune_record_in_place(db_path):
 
     store = reopen(db_path)
     try:
-        assert user_version(db_path) == 3
+        assert user_version(db_path) == SCHEMA_VERSION
         assert "prunes" in tables(db_path)
         [run] = store.list_runs(CONVERSATION)
         assert (run.id, run.status) == ("run-1", "completed")

@@ -114,12 +114,19 @@ def check_config(settings: Settings) -> None:
 
 def chat_model(settings: Settings) -> BaseChatModel:
     """ChatOllama pointed at `OLLAMA_HOST` / `OLLAMA_MODEL` (the scripted model or a real Ollama)."""
+    import httpx
     from langchain_ollama import ChatOllama
 
     # `reasoning` is sent as Ollama's `think`: False asks a thinking model not to think (the
     # original's OLLAMA_THINK default); True streams `message.thinking`, kept in the message's
     # additional_kwargs["reasoning_content"] and published as `reasoning` events.
-    return ChatOllama(model=settings.ollama_model, base_url=settings.ollama_host, reasoning=settings.ollama_think)
+    # ChatOllama makes a sync and an async client, and each would load the CA bundle into a TLS
+    # context of its own (20 ms each, on a resume's way to its first event): one, made as httpx
+    # makes it (certifi, or SSL_CERT_FILE / SSL_CERT_DIR), serves both.
+    return ChatOllama(
+        model=settings.ollama_model, base_url=settings.ollama_host, reasoning=settings.ollama_think,
+        client_kwargs={"verify": httpx.create_ssl_context()},
+    )
 
 
 def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver):

@@ -41,7 +41,7 @@ from .messages import message_dtos, pending_dtos
 from .ownership import Owner
 from .retention import Removal, Vacuum
 from .settings import Settings
-from .store import Conversation, Run, Store, unapplied_input
+from .store import PAGE_SIZE, Conversation, ConversationPage, Run, Store, decode_cursor, page_size, unapplied_input
 from .tools import McpTools
 
 log = logging.getLogger(__name__)
@@ -161,11 +161,25 @@ class AgentService:
     # reading
 
     def list_conversations(self) -> list[Conversation]:
-        if self._saver is None or not self._saver.lock.locked():
-            # No saver on this loop is between its INSERT and its commit, and none can start one
-            # during this synchronous write: it cannot wait on a transaction that needs this loop.
-            self.store.recover()
+        """Every conversation, most recently updated first, with its latest run's outcome.
+
+        Unbounded, as it always was (the lab's files are small); a client that may face
+        thousands of conversations asks for them a page at a time with `conversation_page`.
+        """
+        self._recover_before_listing()
         return self.store.list_conversations()
+
+    def conversation_page(self, limit: int = PAGE_SIZE, cursor: str | None = None) -> ConversationPage:
+        """Up to `limit` conversations (1 to 1000), most recently updated first; for the next
+        page pass back the page's `next_cursor` (None on the last page).
+
+        Reads the app tables only, never a checkpoint. A malformed cursor or limit is refused
+        with `BAD_REQUEST`, before anything is read.
+        """
+        limit = page_size(limit)
+        after = None if cursor is None else decode_cursor(cursor)
+        self._recover_before_listing()
+        return self.store.conversation_page(limit, after)
 
     def list_runs(self, conversation: str | None = None) -> list[Run]:
         return self.store.list_runs(None if conversation is None else parse_conversation_id(conversation))
@@ -277,6 +291,12 @@ class AgentService:
             raise SophosError(errors.NOT_FOUND, f"Conversation Not Found: {conversation_id}")
         return summary
 
+    def _recover_before_listing(self) -> None:
+        if self._saver is None or not self._saver.lock.locked():
+            # No saver on this loop is between its INSERT and its commit, and none can start one
+            # during this synchronous write: it cannot wait on a transaction that needs this loop.
+            self.store.recover()
+
     def _check_accepting(self) -> None:
         if not self.accepting:
             raise SophosError(errors.SHUTDOWN, "The agent is shutting down and accepts no new runs.")
@@ -302,7 +322,7 @@ class AgentService:
         await saver.setup()
         if not self.settings.single_owner:
             await saver.fence(self.store.owner.id)
-        model = chat_model(self.settings)  # once: building a client costs ~40 ms (TLS context)
+        model = chat_model(self.settings)  # once: building a client costs ~20 ms (its TLS context)
         parts = AgentParts(
             model=lambda: model,
             tools=self.tools.get,

@@ -15,6 +15,8 @@ With `single_owner=True` the store does what the original did: the first open re
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import json
 import sqlite3
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
+from .errors import BAD_REQUEST, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
 from .ownership import Owner, owner_gone
 
 RUN_STATUSES = ("running", "interrupted", "completed", "failed", "cancelled")
@@ -90,9 +92,22 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX prunes_by_conversation ON prunes (conversation_id, id);
     """,
+    # v4: listing without a scan. The listing's order (updated_at DESC, rowid DESC) is read off
+    # an index, so a page costs its own rows; each row's latest run (highest rowid: runs are
+    # ordered by insertion, clocks step back) is the last entry of an index on conversation_id,
+    # whose implicit rowid suffix is that order. It replaces (conversation_id, started_at),
+    # which nothing reads in start-time order.
+    """
+    CREATE INDEX conversations_by_recency ON conversations (updated_at);
+    DROP INDEX runs_by_conversation;
+    CREATE INDEX runs_by_conversation ON runs (conversation_id);
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 BUSY_TIMEOUT_MS = 5000
+PAGE_SIZE = 50
+"""Conversations per page when the caller does not say."""
+MAX_PAGE_SIZE = 1000
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,57 @@ class Conversation:
     status: str | None
     error_code: str | None
     error_message: str | None
+
+
+@dataclass(frozen=True)
+class ConversationPage:
+    """One page of the listing, most recently updated first."""
+
+    conversations: list[Conversation]
+    next_cursor: str | None
+    """Pass it back for the page after this one; None when there is none."""
+
+
+@dataclass(frozen=True)
+class ListingPosition:
+    """Where a page ends in the listing's order: the last row's `updated_at` and rowid."""
+
+    updated_at: str
+    rowid: int
+
+
+def encode_cursor(position: ListingPosition) -> str:
+    """The opaque cursor a client passes back (URL-safe base64 of JSON)."""
+    raw = json.dumps([position.updated_at, position.rowid], separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: object) -> ListingPosition:
+    """The position a cursor from `encode_cursor` names; anything else is a `BAD_REQUEST`,
+    never the first page: a client that mangled its cursor must not start over unawares."""
+    shown = repr(cursor) if len(repr(cursor)) <= 60 else repr(cursor)[:57] + "..."
+    bad = SophosError(
+        BAD_REQUEST,
+        f"Invalid cursor: {shown}. Pass back the next_cursor of the previous page unchanged, "
+        "or no cursor for the first page.",
+    )
+    if not isinstance(cursor, str) or not cursor or len(cursor) > 512:
+        raise bad
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        updated_at, rowid = json.loads(raw)
+    except (binascii.Error, ValueError, TypeError):
+        raise bad from None
+    if not isinstance(updated_at, str) or type(rowid) is not int or rowid < 1:
+        raise bad
+    return ListingPosition(updated_at, rowid)
+
+
+def page_size(limit: object) -> int:
+    """A page size: an int from 1 to `MAX_PAGE_SIZE`; anything else is a `BAD_REQUEST`."""
+    if type(limit) is not int or not 1 <= limit <= MAX_PAGE_SIZE:
+        raise SophosError(BAD_REQUEST, f"Invalid limit: {limit!r}. A page holds 1 to {MAX_PAGE_SIZE} conversations.")
+    return limit
 
 
 @dataclass(frozen=True)
@@ -427,12 +493,32 @@ class Store:
         )])
 
     def get_conversation(self, conversation_id: str) -> Conversation | None:
-        row = self.conn.execute(_CONVERSATION_SQL + " WHERE c.id = ?", (conversation_id,)).fetchone()
-        return Conversation(**row) if row else None
+        row = self.conn.execute(_LISTING_SQL + " WHERE c.id = ?", (conversation_id,)).fetchone()
+        return _conversation(row) if row else None
 
     def list_conversations(self) -> list[Conversation]:
-        rows = self.conn.execute(_CONVERSATION_SQL + " ORDER BY c.updated_at DESC, c.rowid DESC")
-        return [Conversation(**row) for row in rows]
+        """Every conversation, most recently updated first (unbounded: see `conversation_page`)."""
+        rows = self.conn.execute(_LISTING_SQL + _LISTING_ORDER)
+        return [_conversation(row) for row in rows]
+
+    def conversation_page(self, limit: int = PAGE_SIZE, after: ListingPosition | None = None) -> ConversationPage:
+        """Up to `limit` conversations after `after` in the listing's order (keyset pagination).
+
+        A conversation created while a client walks the pages sorts before its cursor, so the
+        walk shows every conversation it started with exactly once and none twice. One that is
+        updated meanwhile (a new run) moves to the top: the walk shows it where it was if it got
+        there first, otherwise not at all; the next first page shows it.
+        """
+        sql, params = _LISTING_SQL, ()
+        if after is not None:
+            sql, params = sql + _AFTER, (after.updated_at, after.rowid)
+        rows = self.conn.execute(sql + _LISTING_ORDER + " LIMIT ?", (*params, limit + 1)).fetchall()
+        more, rows = len(rows) > limit, rows[:limit]
+        last = ListingPosition(rows[-1]["updated_at"], rows[-1]["position"]) if rows else None
+        return ConversationPage(
+            conversations=[_conversation(row) for row in rows],
+            next_cursor=encode_cursor(last) if more else None,
+        )
 
     # runs
 
@@ -531,10 +617,23 @@ class Store:
         return [Run(**row) for row in rows]
 
 
-_CONVERSATION_SQL = """
-SELECT c.id, c.title, c.created_at, c.updated_at, c.message_count,
+# A conversation with its latest run's outcome (the run with the highest rowid: runs are ordered
+# by insertion, clocks step back), and its rowid as `position`. In the listing's order, which
+# `conversations_by_recency` holds (an index on updated_at ends with the rowid), there is no
+# sort, and a page reads only its own rows and their latest runs; `position` breaks ties of
+# updated_at and goes into the cursor.
+_LISTING_SQL = """
+SELECT c.rowid AS position, c.id, c.title, c.created_at, c.updated_at, c.message_count,
        r.status, r.error_code, r.error_message
 FROM conversations c
 LEFT JOIN runs r ON r.rowid = (
     SELECT rowid FROM runs WHERE conversation_id = c.id ORDER BY rowid DESC LIMIT 1
 )"""
+_AFTER = " WHERE (c.updated_at, c.rowid) < (?, ?)"
+_LISTING_ORDER = " ORDER BY c.updated_at DESC, c.rowid DESC"
+
+
+def _conversation(row: sqlite3.Row) -> Conversation:
+    # The columns after `position` are Conversation's fields in order; by position, because
+    # building 10,000 of them by name costs more than the query.
+    return Conversation(*row[1:])
