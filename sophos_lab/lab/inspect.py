@@ -3,13 +3,16 @@
 Everything here opens the file read-only and never goes through `Store`, so looking never
 triggers crash recovery: a run left `running` by a killed process still reads `running` here
 until the next runtime opens the file. Checkpoints are read through LangGraph (the sync saver on
-the read-only connection and a graph built for reading), never by decoding tables by hand.
+the read-only connection and a graph built for reading), never by decoding tables by hand:
+most checkpoints store no messages of their own (see `runtime.agent.AgentState`), and LangGraph
+rebuilds each one's messages from the nearest full copy and the writes after it.
 A conversation id is checked as the service checks it: anything else is a `BAD_REQUEST`.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +129,9 @@ def conversations(db_path: str | Path) -> pd.DataFrame:
     )
 
 
-def _history(db_path: str | Path, conversation: str) -> list[Any]:
-    """The thread's `StateSnapshot`s, oldest first (empty when nothing was checkpointed)."""
+def _read_thread(db_path: str | Path, conversation: str, read: Callable[[Any, Any, dict], Any]) -> Any:
+    """`read(graph, saver, config)` on the thread, through LangGraph on a read-only connection;
+    None when nothing was checkpointed."""
     from langgraph.checkpoint.sqlite import SqliteSaver
 
     from ..runtime.agent import build_graph
@@ -135,11 +139,27 @@ def _history(db_path: str | Path, conversation: str) -> list[Any]:
     conversation = parse_conversation_id(conversation)
     with read_only(db_path) as conn:
         if conn is None or not _has_table(conn, "checkpoints"):
-            return []
+            return None
         saver = SqliteSaver(conn)
         saver.is_setup = True  # the tables exist; setup() would try to write
-        graph = build_graph(None, saver)
-        return list(graph.get_state_history(thread_config(conversation)))[::-1]
+        return read(build_graph(None, saver), saver, thread_config(conversation))
+
+
+def _history(db_path: str | Path, conversation: str) -> list[Any]:
+    """The thread's `StateSnapshot`s, oldest first (empty when nothing was checkpointed).
+
+    Each one's values are the thread as it stood at that checkpoint, rebuilt by LangGraph: most
+    checkpoints store no messages of their own (only the writes of their step), so a count or a
+    last message read from a checkpoint's stored blob would be wrong; one read from its values
+    is right, for files written with either messages channel."""
+    return _read_thread(db_path, conversation, lambda graph, _, config: list(graph.get_state_history(config))[::-1]) or []
+
+
+def _latest(db_path: str | Path, conversation: str) -> Any | None:
+    """The thread's latest `StateSnapshot`, the last of `_history` (None when nothing was
+    checkpointed), without rebuilding every checkpoint before it."""
+    return _read_thread(db_path, conversation,
+                        lambda graph, _, config: next(iter(graph.get_state_history(config, limit=1)), None))
 
 
 def _pruned_rows(db_path: str | Path, conversation: str) -> list[dict[str, Any]]:
@@ -189,7 +209,10 @@ def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
 
     conversation = parse_conversation_id(conversation)
     serde = JsonPlusSerializer()
-    steps = {row["checkpoint_id"]: row["step"] for _, row in checkpoints(db_path, conversation).iterrows()}
+    # The step of each checkpoint is in its metadata: no need to rebuild the thread at each one.
+    steps = _read_thread(db_path, conversation, lambda _, saver, config: {
+        saved.config["configurable"]["checkpoint_id"]: saved.metadata.get("step") for saved in saver.list(config)
+    }) or {}
     with read_only(db_path) as conn:
         if conn is None or not _has_table(conn, "writes"):
             return pd.DataFrame(columns=WRITE_COLUMNS)
@@ -212,29 +235,29 @@ def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
     return _plain(pd.DataFrame(records, columns=WRITE_COLUMNS))
 
 
-def _pending(runs: pd.DataFrame, history: list[Any]) -> list[dict[str, str]]:
+def _pending(runs: pd.DataFrame, latest: Any | None) -> list[dict[str, str]]:
     """The latest run's messages if they never reached the thread (see `store.unapplied_input`)."""
     if not len(runs):
         return []
-    latest = runs.iloc[-1]
-    written_by = (history[-1].metadata or {}).get("run_id") if history else None
-    return unapplied_input(latest["id"], latest.get("input"), written_by)
+    run = runs.iloc[-1]
+    written_by = (latest.metadata or {}).get("run_id") if latest is not None else None
+    return unapplied_input(run["id"], run.get("input"), written_by)
 
 
 def thread_view(db_path: str | Path, conversation: str) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
     """The thread's latest checkpoint as the chat widget shows it: its messages (dicts, with
     tool-call arguments) and `next` (empty when nothing was checkpointed). A message that was
     accepted but never reached the thread comes last, marked `pending`."""
-    history = _history(db_path, conversation)
-    messages = message_dtos(history[-1].values.get("messages", [])) if history else []
-    pending = pending_dtos(_pending(peek_runs(db_path, conversation), history))
-    return messages + pending, tuple(history[-1].next) if history else ()
+    latest = _latest(db_path, conversation)
+    messages = message_dtos(latest.values.get("messages", [])) if latest is not None else []
+    pending = pending_dtos(_pending(peek_runs(db_path, conversation), latest))
+    return messages + pending, tuple(latest.next) if latest is not None else ()
 
 
 def messages(db_path: str | Path, conversation: str) -> pd.DataFrame:
     """The messages of the latest checkpoint (a `TextFrame`: its text displays with its line breaks)."""
-    history = _history(db_path, conversation)
-    dtos = message_dtos(history[-1].values.get("messages", [])) if history else []
+    latest = _latest(db_path, conversation)
+    dtos = message_dtos(latest.values.get("messages", [])) if latest is not None else []
     return pd.DataFrame(
         [{
             "role": m["role"],
@@ -255,11 +278,11 @@ def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
     """
     conversation = parse_conversation_id(conversation)  # None would read every run
     runs = peek_runs(db_path, conversation)
-    history = _history(db_path, conversation)
-    last = checkpoint_record(history[-1]) if history else None
-    dtos = message_dtos(history[-1].values.get("messages", [])) if history else []
+    latest = _latest(db_path, conversation)
+    last = checkpoint_record(latest) if latest is not None else None
+    dtos = message_dtos(latest.values.get("messages", [])) if latest is not None else []
     busy = bool((runs["status"] == "running").any()) if len(runs) else False
-    pending = _pending(runs, history)
+    pending = _pending(runs, latest)
     return {
         "runs": [(row.status, row.error_code) for row in runs.itertuples()],
         "last_checkpoint": None if last is None else {

@@ -53,9 +53,16 @@ class StreamTranslator:
     """Turns `astream(stream_mode=["messages", "debug"])` items into `(event, data, step)`."""
 
     model_name: str
-    message_count: int | None = None
-    """Messages in the latest checkpoint seen on the stream (None before the first)."""
     _open: dict[str, Any] | None = field(default=None)
+    _latest_messages: list[Any] | None = field(default=None)
+
+    @property
+    def message_count(self) -> int | None:
+        """Messages in the latest checkpoint seen on the stream (None before the first).
+
+        Counted when asked (once, at the end of a run), not at every checkpoint: a long thread
+        would otherwise be walked three times a turn."""
+        return None if self._latest_messages is None else len(message_dtos(self._latest_messages))
 
     def feed(self, mode: str, chunk: Any) -> list[Item]:
         if mode == "messages":
@@ -66,7 +73,7 @@ class StreamTranslator:
             return self._leave(chunk["step"], chunk["payload"])
         if mode == "debug" and chunk["type"] == "checkpoint":
             values = chunk["payload"].get("values") or {}
-            self.message_count = len(message_dtos(values.get("messages", [])))
+            self._latest_messages = values.get("messages", [])
         return []
 
     def finish(self) -> list[Item]:

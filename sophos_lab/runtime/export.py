@@ -1,6 +1,13 @@
 """Exports of a conversation: a Markdown transcript and the JSONL checkpoint history.
 
 Both are generated on request and never read back: deleting an export loses nothing.
+
+The JSONL export says what each checkpoint means, not what its row stores: its message count
+and last message are those of the thread as it stood at that checkpoint, which LangGraph
+rebuilds from the nearest checkpoint holding the whole list and the writes after it. Most
+checkpoints of the kit's messages channel store no messages of their own, while those of a file
+written with LangGraph's default channel store the whole list each time; the export reads the
+same for both.
 """
 
 from __future__ import annotations
@@ -54,7 +61,10 @@ def markdown_transcript(conversation: Conversation, messages: list[dict[str, Any
 
 
 def checkpoint_record(snapshot: Any) -> dict[str, Any]:
-    """One checkpoint as the JSONL export shows it (plus the run id that wrote it)."""
+    """One checkpoint as the JSONL export shows it (plus the run id that wrote it).
+
+    `snapshot` is a LangGraph `StateSnapshot`, whose values are the thread rebuilt at that
+    checkpoint (never the checkpoint's stored blob, which may hold no messages)."""
     messages = snapshot.values.get("messages", []) if snapshot.values else []
     metadata = snapshot.metadata or {}
     return {

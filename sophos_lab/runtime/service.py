@@ -191,7 +191,7 @@ class AgentService:
         if await self._write(self.store.recover, summary.id):
             summary = self._existing(summary.id)
         state = await graph.aget_state(thread_config(summary.id))
-        pending = self._pending_input(summary.id, state)
+        pending = self._pending_input(summary.id, state.metadata)
         messages = message_dtos(state.values.get("messages", [])) + pending_dtos(pending)
         busy = summary.id in self.active or summary.status == "running"
         return ConversationDetail(
@@ -227,9 +227,9 @@ class AgentService:
             conversation_id, new = self._existing(conversation).id, False
         self._check_idle(conversation_id)
         check_config(self.settings)  # a bad mcp.json or system.md is refused with nothing written
-        graph = await self._graph_ready()
+        await self._graph_ready()
         # A message accepted earlier that never reached the thread goes first: nothing is dropped.
-        carried = [] if new else await self._carried_input(graph, conversation_id)
+        carried = [] if new else await self._carried_input(conversation_id)
         messages = [*carried, {"id": str(uuid.uuid4()), "content": text}]
         return await self._launch(conversation_id, messages, resume=False, title=text if new else None)
 
@@ -240,7 +240,7 @@ class AgentService:
         self._check_idle(conversation_id)
         check_config(self.settings)
         state = await (await self._graph_ready()).aget_state(thread_config(conversation_id))
-        pending = self._pending_input(conversation_id, state)
+        pending = self._pending_input(conversation_id, state.metadata)
         if not state.next and not pending:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")
         return await self._launch(conversation_id, pending, resume=True)
@@ -339,20 +339,24 @@ class AgentService:
         async with self._saver.lock:
             return write(*args)
 
-    async def _carried_input(self, graph: Any, conversation_id: str) -> list[dict[str, str]]:
-        """`_pending_input` for a new message; the common case (the last run completed, so its
-        input is in the thread) reads no checkpoint."""
+    async def _carried_input(self, conversation_id: str) -> list[dict[str, str]]:
+        """`_pending_input` for a new message. The common case (the last run completed, so its
+        input is in the thread) reads no checkpoint; otherwise only the latest checkpoint's
+        metadata is read, not the thread's messages (which would be rebuilt from its writes)."""
         latest = self.store.latest_run(conversation_id)
         if latest is None or not latest.input or latest.status == "completed":
             return []
-        return self._pending_input(conversation_id, await graph.aget_state(thread_config(conversation_id)))
+        saved = await self._saver.aget_tuple(thread_config(conversation_id))
+        return self._pending_input(conversation_id, saved.metadata if saved else None)
 
-    def _pending_input(self, conversation_id: str, state: Any) -> list[dict[str, str]]:
-        """The messages of the latest run if they never reached the thread, else []."""
+    def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
+        """The messages of the latest run if they never reached the thread, else [].
+
+        `metadata` is that of the thread's latest checkpoint (None when there is none)."""
         latest = self.store.latest_run(conversation_id)
         if latest is None:
             return []
-        return unapplied_input(latest.id, latest.input, (state.metadata or {}).get("run_id"))
+        return unapplied_input(latest.id, latest.input, (metadata or {}).get("run_id"))
 
     async def _launch(
         self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None

@@ -1,0 +1,290 @@
+"""How one thread grows: file size and time per turn, the kit's service against bare LangGraph.
+
+One thread of 4 KB user turns with short answers (the scripted model, zero token delay, no MCP
+servers), run side by side in the same process, turn by turn:
+
+  kit   the kit's `AgentService` (its messages channel, run rows, events, outcome transaction)
+  bare  bare LangGraph with the default `add_messages` channel (`MessagesState`), the same
+        two-node graph shape, `AsyncSqliteSaver`, durability "sync"
+
+At turns 10/25/50/100/200 it prints each file's size after a WAL checkpoint
+(`PRAGMA wal_checkpoint(TRUNCATE)`), the raw bytes of the thread's messages (their text, UTF-8),
+the ratio of the two, the time per turn (the median of the last 5 turns), the CPU time this
+process spent per turn (the same median: the runtime, LangGraph and the ChatOllama client, not
+the model server, and not the waits that other load on the machine adds), and how long the
+model request alone takes with the thread's prompt (the fastest of 5). The whole thread runs
+ROUNDS times, each on fresh files; times are the median over the rounds.
+
+Targets for the kit: at 200 turns the file is at most 10x the raw message bytes, and a turn
+takes at most 1.3x what it took at turn 10.
+
+    python benchmarks/growth.py            # 200 turns, 3 rounds
+    python benchmarks/growth.py --quick    # 50 turns, 1 round
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_ollama import ChatOllama
+from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.steps import PROMPT, bare_graph  # noqa: E402
+from sophos_lab.runtime.service import AgentService  # noqa: E402
+from sophos_lab.runtime.settings import Settings  # noqa: E402
+from sophos_lab.standins._proc import stop_server  # noqa: E402
+from sophos_lab.standins.scripted_model import start_scripted_model  # noqa: E402
+
+MARKS = (10, 25, 50, 100, 200)
+QUICK_MARKS = (10, 25, 50)
+USER_BYTES = 4096
+LAST_TURNS = 5
+"""Time per turn at a mark is the median of this many turns, the mark's turn and those before it."""
+ROUNDS = 3
+MAX_FILE_RATIO = 10.0
+MAX_SLOWDOWN = 1.3
+
+
+def user_message(turn: int) -> str:
+    """A 4 KB user turn that no script matches (the scripted model gives its short plain answer)."""
+    head = f"Growth benchmark, turn {turn}. "
+    filler = "a line of notes for the thread to keep; "
+    text = head + filler * (USER_BYTES // len(filler) + 1)
+    return text[:USER_BYTES]
+
+
+def file_bytes(db_path: Path) -> int:
+    """The database's size once its WAL is folded into it and truncated."""
+    conn = sqlite3.connect(db_path)
+    try:
+        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    finally:
+        conn.close()
+    if busy:
+        raise RuntimeError(f"the WAL checkpoint of {db_path} could not complete (a reader held it)")
+    wal = db_path.with_name(db_path.name + "-wal")
+    return db_path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+
+
+class KitThread:
+    """One conversation through the kit's `AgentService`."""
+
+    def __init__(self, url: str, folder: Path) -> None:
+        config = folder / "config"
+        config.mkdir()
+        (config / "mcp.json").write_text("{}")
+        (config / "system.md").write_text(PROMPT)
+        self.db_path = folder / "kit.db"
+        self.service = AgentService(Settings.from_env({
+            "OLLAMA_HOST": url, "OLLAMA_MODEL": "scripted", "DATABASE_PATH": str(self.db_path),
+            "CONFIG_DIR": str(config), "MEMORY_FILE_PATH": str(folder / "memory.jsonl"),
+        }))
+        self.conversation: str | None = None
+
+    async def open(self) -> None:
+        await self.service.open()
+
+    async def turn(self, text: str) -> str:
+        """Send one message and read every event of its run; the answer's text."""
+        run = await self.service.chat(text, self.conversation)
+        self.conversation = run.conversation
+        tokens = [event.data async for event in run.events() if event.event == "token"]
+        final = run.buffer[-1]
+        if final.event != "end":
+            raise RuntimeError(f"the kit's run ended with {final.event}: {final.data}")
+        return "".join(tokens)
+
+    async def close(self) -> None:
+        await self.service.aclose()
+
+
+class BareThread:
+    """One thread of bare LangGraph with the default `add_messages` channel."""
+
+    def __init__(self, url: str, folder: Path) -> None:
+        self.url = url
+        self.db_path = folder / "bare.db"
+        self.config = {"configurable": {"thread_id": "growth"}, "recursion_limit": 25}
+        self._saver_context = AsyncSqliteSaver.from_conn_string(str(self.db_path))
+
+    async def open(self) -> None:
+        self.graph = bare_graph(self.url, await self._saver_context.__aenter__())
+
+    async def turn(self, text: str) -> str:
+        chunks = []
+        async for message, _ in self.graph.astream(
+            {"messages": [HumanMessage(text)]}, self.config, stream_mode="messages", durability="sync"
+        ):
+            chunks.append(message.content)
+        return "".join(chunks)
+
+    async def model_request(self) -> float:
+        """Seconds of one model request with this thread's prompt, on its own (no graph, no saver)."""
+        messages = (await self.graph.aget_state(self.config)).values["messages"]
+        model = ChatOllama(model="scripted", base_url=self.url)
+        start = time.perf_counter()
+        async for _ in model.astream([SystemMessage(PROMPT), *messages]):
+            pass
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        await self._saver_context.__aexit__(None, None, None)
+
+
+@dataclass
+class Mark:
+    turn: int
+    file_bytes: int
+    raw_bytes: int
+    ms_per_turn: float
+    cpu_ms_per_turn: float
+    model_ms: float
+    """The model request alone with the thread's prompt (the same prompt for both threads)."""
+
+    @property
+    def ratio(self) -> float:
+        return self.file_bytes / self.raw_bytes
+
+
+async def grow(marks: tuple[int, ...]) -> dict[str, list[Mark]]:
+    """Both threads, turn by turn up to the last mark, on fresh files; the figures at each mark."""
+    server, url = start_scripted_model(ROOT / "data" / "scripts")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            threads = {"kit": KitThread(url, Path(tmp)), "bare": BareThread(url, Path(tmp))}
+            for thread in threads.values():
+                await thread.open()
+            try:
+                return await _grow(threads, marks)
+            finally:
+                for thread in threads.values():
+                    await thread.close()
+    finally:
+        stop_server(server)
+
+
+async def _grow(threads: dict, marks: tuple[int, ...]) -> dict[str, list[Mark]]:
+    raw = {name: 0 for name in threads}
+    wall: dict[str, list[float]] = {name: [] for name in threads}
+    cpu: dict[str, list[float]] = {name: [] for name in threads}
+    found: dict[str, list[Mark]] = {name: [] for name in threads}
+    for turn in range(1, marks[-1] + 1):
+        text = user_message(turn)
+        # Alternate who goes first, so drift on the machine hits both alike.
+        order = list(threads) if turn % 2 else list(threads)[::-1]
+        for name in order:
+            started, started_cpu = time.perf_counter(), time.process_time()
+            answer = await threads[name].turn(text)
+            wall[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() - started_cpu)
+            raw[name] += len(text.encode()) + len(answer.encode())
+        if turn in marks:
+            model = min([await threads["bare"].model_request() for _ in range(LAST_TURNS)])
+            for name, thread in threads.items():
+                found[name].append(Mark(
+                    turn, file_bytes(thread.db_path), raw[name],
+                    statistics.median(wall[name][-LAST_TURNS:]) * 1000,
+                    statistics.median(cpu[name][-LAST_TURNS:]) * 1000, model * 1000,
+                ))
+    return found
+
+
+def measure(marks: tuple[int, ...], rounds: int) -> dict[str, list[Mark]]:
+    """`grow` `rounds` times; sizes from the last round (they are the same every time), times
+    the median over the rounds."""
+    runs = [asyncio.run(grow(marks)) for _ in range(rounds)]
+    return {
+        name: [
+            Mark(
+                turn=last.turn, file_bytes=last.file_bytes, raw_bytes=last.raw_bytes,
+                ms_per_turn=statistics.median(run[name][at].ms_per_turn for run in runs),
+                cpu_ms_per_turn=statistics.median(run[name][at].cpu_ms_per_turn for run in runs),
+                model_ms=statistics.median(run[name][at].model_ms for run in runs),
+            )
+            for at, last in enumerate(runs[-1][name])
+        ]
+        for name in runs[-1]
+    }
+
+
+def table_rows(found: dict[str, list[Mark]]) -> list[dict]:
+    rows: list[dict] = []
+
+    def add(measure: str, kit: float, bare: float | None, unit: str) -> None:
+        rows.append({"benchmark": "growth", "measure": measure, "kit": kit, "bare": bare, "unit": unit})
+
+    for kit, bare in zip(found["kit"], found["bare"]):
+        add(f"{kit.turn} turns: database MB", kit.file_bytes / 1e6, bare.file_bytes / 1e6, "MB")
+        add(f"{kit.turn} turns: database / raw message bytes", kit.ratio, bare.ratio, "x")
+        add(f"{kit.turn} turns: time per turn (last {LAST_TURNS})", kit.ms_per_turn, bare.ms_per_turn, "ms")
+        add(f"{kit.turn} turns: CPU time per turn (this process)", kit.cpu_ms_per_turn, bare.cpu_ms_per_turn, "ms")
+    first, last = found["kit"][0], found["kit"][-1]
+    bare_first, bare_last = found["bare"][0], found["bare"][-1]
+    add(f"{last.turn} turns: raw message MB", last.raw_bytes / 1e6, bare_last.raw_bytes / 1e6, "MB")
+    add(f"time per turn, turn {last.turn} / turn {first.turn}", last.ms_per_turn / first.ms_per_turn,
+        bare_last.ms_per_turn / bare_first.ms_per_turn, "x")
+    add(f"CPU time per turn, turn {last.turn} / turn {first.turn}", last.cpu_ms_per_turn / first.cpu_ms_per_turn,
+        bare_last.cpu_ms_per_turn / bare_first.cpu_ms_per_turn, "x")
+    add(f"the model request alone, turn {last.turn} / turn {first.turn}", last.model_ms / first.model_ms, None, "x")
+    return rows
+
+
+def rows(quick: bool = False) -> list[dict]:
+    """The growth figures as rows of `make bench`'s table: `benchmark`, `measure`, `kit`, `bare`, `unit`."""
+    return table_rows(measure(QUICK_MARKS, 1) if quick else measure(MARKS, ROUNDS))
+
+
+def print_table(found: dict[str, list[Mark]], rounds: int) -> None:
+    kit_marks, bare_marks = found["kit"], found["bare"]
+    print(f"One thread of {USER_BYTES // 1024} KB user turns with short answers, scripted model (zero token delay),"
+          f" {rounds} round(s)")
+    print("kit = the kit's AgentService; bare = LangGraph's default add_messages channel, AsyncSqliteSaver,"
+          " durability sync")
+    print(f"ms = time per turn, cpu = CPU time of this process per turn (both the median of the last {LAST_TURNS}"
+          f" turns); model = the model request alone with the same prompt")
+    print()
+    header = (f"{'turn':>4} | {'raw MB':>6} | {'kit MB':>6} {'ratio':>6} {'ms':>5} {'cpu':>5} | "
+              f"{'bare MB':>7} {'ratio':>6} {'ms':>5} {'cpu':>5} | {'model':>5} | "
+              f"{'kit/bare MB':>11} {'ms':>5} {'cpu':>5}")
+    print(header)
+    print("-" * len(header))
+    for kit, bare in zip(kit_marks, bare_marks):
+        print(f"{kit.turn:>4} | {kit.raw_bytes / 1e6:>6.2f} | {kit.file_bytes / 1e6:>6.2f} {kit.ratio:>5.1f}x "
+              f"{kit.ms_per_turn:>5.1f} {kit.cpu_ms_per_turn:>5.1f} | {bare.file_bytes / 1e6:>7.2f} "
+              f"{bare.ratio:>5.1f}x {bare.ms_per_turn:>5.1f} {bare.cpu_ms_per_turn:>5.1f} | {kit.model_ms:>5.1f} | "
+              f"{kit.file_bytes / bare.file_bytes:>11.3f} {kit.ms_per_turn / bare.ms_per_turn:>5.2f} "
+              f"{kit.cpu_ms_per_turn / bare.cpu_ms_per_turn:>5.2f}")
+    print()
+    for name, marks in found.items():
+        first, last = marks[0], marks[-1]
+        target = f" (target <= {MAX_FILE_RATIO:g}x)" if name == "kit" else ""
+        slow = f" (target <= {MAX_SLOWDOWN:g}x)" if name == "kit" else ""
+        print(f"{name + ':':<5} file / raw at {last.turn} turns = {last.ratio:.1f}x{target}; time per turn "
+              f"{last.turn} / {first.turn} = {last.ms_per_turn / first.ms_per_turn:.2f}x{slow}, CPU "
+              f"{last.cpu_ms_per_turn / first.cpu_ms_per_turn:.2f}x")
+    print(f"the model request alone: {kit_marks[-1].model_ms / kit_marks[0].model_ms:.2f}x "
+          f"({kit_marks[0].model_ms:.1f} -> {kit_marks[-1].model_ms:.1f} ms)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"stop at turn {QUICK_MARKS[-1]}, one round")
+    args = parser.parse_args()
+    rounds = 1 if args.quick else ROUNDS
+    print_table(measure(QUICK_MARKS if args.quick else MARKS, rounds), rounds)
+
+
+if __name__ == "__main__":
+    main()
