@@ -154,6 +154,55 @@ def start_lab(port: int, extra: list[str]) -> int:
             stop_server(server)
 
 
+def serve_api(host: str, port: int, lab_child: bool = False) -> int:
+    """Serve the HTTP API (`sophos_lab.server`) with the kit's settings until SIGTERM or Ctrl-C.
+
+    Anything but loopback needs `SOPHOS_LAB_TOKEN` (refused here with exit code 2 without one).
+    Without `OLLAMA_HOST` a scripted model is started first, as for `lab`. A SIGTERM or Ctrl-C
+    drains (see `server.process`) and then exits 0. A lab's child (`lab_child`, `Lab.server()`)
+    reports as `@@sophos` event lines on stdout and shuts down when its stdin closes.
+    """
+    from .server.auth import is_loopback
+
+    env = lab_environment()
+    if not is_loopback(host) and not env.get("SOPHOS_LAB_TOKEN"):
+        print(f"sophos-lab serve: refusing to listen on {host} without a token: anyone who can reach it "
+              "could run the agent. Set SOPHOS_LAB_TOKEN to a long random secret (clients then send "
+              "Authorization: Bearer <it>), or listen on 127.0.0.1.", file=sys.stderr)
+        return 2
+    from .server.app import ServerOptions
+    from .server.process import run_server
+    from .standins._proc import stop_server
+    from .standins.scripted_model import start_scripted_model
+
+    def exit_cleanly(signum: int, frame: object) -> None:
+        # uvicorn handles the signal while it serves and raises it again once it has shut down
+        # gracefully; then (or before it serves) it ends the process here, with 0.
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, exit_cleanly)
+    model = None
+    try:
+        if not env.get("OLLAMA_HOST"):
+            model, url = start_scripted_model(SCRIPTS_DIR)
+            env.update(OLLAMA_HOST=url, OLLAMA_MODEL="scripted")
+            print(f"sophos-lab: no OLLAMA_HOST, so the scripted model answers at {url} (deterministic, not an LLM)",
+                  flush=True)
+        if lab_child:
+            from .lab.worker import emit_line
+
+            run_server(Settings.from_env(env), ServerOptions.from_env(env), host, port,
+                       announce=lambda event, **data: emit_line({"event": event, "data": data}),
+                       exit_with_stdin=True)
+        else:
+            run_server(Settings.from_env(env), ServerOptions.from_env(env), host, port)
+    finally:
+        if model is not None:
+            stop_server(model)
+    return 0
+
+
 def doctor(environ: Mapping[str, str] | None = None) -> int:
     """Print what the lab would use and whether it is reachable: the model, node, each MCP server.
 
@@ -320,6 +369,12 @@ def main(argv: list[str] | None = None) -> None:
     serve = commands.add_parser("serve-model", help="run the scripted Ollama-compatible model server")
     serve.add_argument("--port", type=int, default=11434,
                        help="port to listen on (default 11434, Ollama's own; 0 picks a free one)")
+    api = commands.add_parser(
+        "serve", help="serve the HTTP API and SSE stream (the original's /api/...) over the agent")
+    api.add_argument("--host", default="127.0.0.1",
+                     help="interface to listen on (default 127.0.0.1; anything else needs SOPHOS_LAB_TOKEN)")
+    api.add_argument("--port", type=int, default=5174, help="port (default 5174; 0 picks a free one)")
+    api.add_argument("--lab-child", action="store_true", help=argparse.SUPPRESS)
     commands.add_parser("reset", help="delete all lab state (.lab/)")
     commands.add_parser("worker", help="run the agent as a child process driven over stdin")
     _add_retention_commands(commands)
@@ -335,6 +390,8 @@ def main(argv: list[str] | None = None) -> None:
         from .standins.scripted_model import main as serve_main
 
         serve_main(["--scripts", str(SCRIPTS_DIR), "--port", str(args.port)])
+    elif args.command == "serve":
+        sys.exit(serve_api(args.host, args.port, args.lab_child))
     elif args.command == "reset":
         print(reset())
     elif args.command == "worker":

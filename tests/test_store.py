@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from sophos_lab.runtime.errors import SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
+from sophos_lab.runtime.errors import IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
 from sophos_lab.lab.inspect import peek_runs
-from sophos_lab.runtime.store import SCHEMA_VERSION, Store, title_from_message
+from sophos_lab.runtime.store import SCHEMA_VERSION, IdempotencyKey, Store, title_from_message
 
 CONVERSATION = "6f1c7f1e-9a62-4c4e-9a55-0c2b1f0e6a11"
 
@@ -54,9 +54,9 @@ def test_nothing_is_opened_or_created_before_first_use(db_path):
 def test_first_open_applies_the_migrations_and_records_the_version(store, db_path):
     store.list_conversations()
     assert store.is_open
-    assert SCHEMA_VERSION == 4
-    assert user_version(db_path) == 4
-    assert {"conversations", "runs", "owners", "prunes"} <= tables(db_path)
+    assert SCHEMA_VERSION == 5
+    assert user_version(db_path) == SCHEMA_VERSION
+    assert {"conversations", "runs", "owners", "prunes", "idempotency_keys"} <= tables(db_path)
 
 
 def test_reopening_keeps_the_data_and_does_not_rerun_migrations(store, db_path):
@@ -140,6 +140,29 @@ def test_the_database_refuses_a_second_running_run_of_one_conversation(store, db
     store.finish_run("run-1", "failed", None, "AGENT_FAILURE", "boom")
     store.start_run("run-3", CONVERSATION)
     assert [run.status for run in store.list_runs(CONVERSATION)] == ["failed", "running"]
+
+
+def test_an_idempotency_key_is_written_with_its_run(store):
+    key = IdempotencyKey("retry-me", '{"message": "hello"}')
+    store.start_run("run-1", CONVERSATION, title="hello", idempotency=key)
+
+    first = store.keyed_run("retry-me")
+    assert (first.request, first.conversation_id, first.run_id) == (key.request, CONVERSATION, "run-1")
+    assert store.keyed_run("never-used") is None
+
+
+def test_a_key_that_started_a_run_refuses_another_start_and_nothing_of_it_is_written(store):
+    other = "0d4a3f0e-1b2c-4d5e-8f60-718293a4b5c6"
+    store.start_run("run-1", CONVERSATION, title="hello", idempotency=IdempotencyKey("retry-me", "first"))
+    store.finish_run("run-1", "completed", 2)
+
+    with pytest.raises(SophosError) as refused:
+        store.start_run("run-2", other, title="hello again", idempotency=IdempotencyKey("retry-me", "second"))
+
+    assert refused.value.code == IDEMPOTENCY_KEY_REUSED
+    assert store.get_conversation(other) is None  # the new conversation went with the refused run
+    assert store.get_run("run-2") is None
+    assert store.keyed_run("retry-me").run_id == "run-1"
 
 
 def test_conversations_are_listed_most_recent_first_with_their_latest_outcome(store):

@@ -1,6 +1,7 @@
-"""Children that run the agent where a lab can kill them: a plain subprocess or a Jupyter kernel.
+"""Children that run the agent where a lab can kill them: a plain subprocess, a Jupyter kernel,
+or the HTTP server (`sophos-lab serve`, driven over its API and SSE stream).
 
-Both have the same small interface: `chat()` and `resume()` return at once; `wait_for()` blocks
+All have the same small interface: `chat()` and `resume()` return at once; `wait_for()` blocks
 until the child's event stream shows a given event (a barrier, never a timer); `kill()` sends
 SIGKILL to the child's whole process group; `shutdown()` sends SIGTERM to the child alone and
 waits for it to finish its graceful path; `freeze()` and `thaw()` stop and continue it
@@ -446,3 +447,99 @@ def _killpg(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
+
+
+class LabServer(LabWorker):
+    """`sophos-lab serve` on a free loopback port, in a process group of its own: the original's
+    one server process, to break as its labs did.
+
+    `chat()` and `resume()` POST to `/api/chat` and follow the conversation's SSE stream in a
+    thread; its events (not the pings) go to the same event log as a worker's, so `wait_for`,
+    `wait_final`, `conversation()` and `chat_until_tool_call` are barriers on what the server
+    sent. A refused POST is a `rejected` event `{code, message, status}`. The process's own
+    events (`ready`, `shutdown-requested`, `drained`, `process-exited`) go there too. `url` is
+    the base URL for any other request (`request()` sends one, with the token if there is one).
+    The server exits when this process goes (its stdin closes).
+    """
+
+    def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path) -> None:
+        super().__init__(env, cwd, log_path)
+        self.url: str | None = None
+        token = self.env.get("SOPHOS_LAB_TOKEN")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def start(self, timeout: float = 60.0) -> LabServer:
+        self.log = EventLog()
+        with open(self.log_path, "ab") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sophos_lab.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                 "--lab-child"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                env=self.env, cwd=self.cwd, start_new_session=True, text=True, bufsize=1,
+            )
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+        self.url = self.log.wait_for("ready", timeout=timeout, since=0)["data"]["url"]
+        return self
+
+    def request(self, method: str, path: str, **kwargs: Any):
+        """One HTTP request to the server (an `httpx.Response`), with its token if it has one."""
+        import httpx
+
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.request(method, self.url + path, headers=headers, timeout=60, **kwargs)
+
+    def follow(self, conversation: str, last_event_id: int | None = None) -> None:
+        """Follow `/api/chat?conversation=` (from `last_event_id` on, when given) in a thread, its
+        events into the log, like a command's; returns at once."""
+        self.log.start_command()
+        self._follow_in_thread(conversation, {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)})
+
+    def _follow_in_thread(self, conversation: str, headers: dict[str, str]) -> None:
+        threading.Thread(target=self._follow, args=(conversation, headers), daemon=True).start()
+
+    def _send(self, cmd: str, **args: Any) -> None:
+        if cmd == "conversations":
+            answer = self.request("GET", "/api/conversations").json()
+            self.log.append({"event": "conversations", "data": answer})
+            return
+        body = {"resume": True, "conversation": args["conversation"]} if cmd == "resume" else {
+            "message": args["message"], "conversation": args["conversation"]}
+        response = self.request("POST", "/api/chat", json=body)
+        if response.status_code != 200:
+            error = response.json().get("error", {})
+            self.log.append({"event": "rejected", "data": {**error, "status": response.status_code, "cmd": cmd}})
+            return
+        self._follow_in_thread(response.json()["conversation"], {})
+
+    def _follow(self, conversation: str, headers: dict[str, str]) -> None:
+        import httpx
+
+        try:
+            with httpx.stream("GET", f"{self.url}/api/chat", params={"conversation": conversation},
+                              headers={**self.headers, **headers},
+                              timeout=httpx.Timeout(60, read=None)) as response:
+                for event in sse_events(response.iter_lines()):
+                    if event["event"] != "ping":
+                        self.log.append(event)
+        except httpx.HTTPError:
+            pass  # the server went away: its `process-exited` event says so
+
+
+def sse_events(lines: Any) -> Any:
+    """`{"id", "event", "data"}` per SSE frame of these lines (`id` None when the frame has none)."""
+    frame: dict[str, Any] = {}
+    for line in lines:
+        if not line:
+            if "event" in frame or "data" in frame:
+                yield {"id": frame.get("id"), "event": frame.get("event", "message"),
+                       "data": json.loads(frame["data"]) if "data" in frame else None}
+            frame = {}
+        elif not line.startswith(":"):
+            field, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if field == "id":
+                frame["id"] = int(value) if value.isdigit() else value
+            elif field == "data":
+                frame["data"] = frame["data"] + "\n" + value if "data" in frame else value
+            elif field == "event":
+                frame["event"] = value

@@ -7,6 +7,9 @@
     child.kill()                          # SIGKILL, no cleanup runs
     lab.peek_runs()                       # still `running`: nobody has opened the file since
 
+`lab.server()` starts the third kind of child, the HTTP server (`sophos-lab serve`), with the
+same interface over its API: `server.url` is its base URL for `curl`.
+
 Everything a lab writes lives in `.lab/<name>/` (git-ignored): the database, the memory file, a
 copy of the configuration, the logs of every process. `data/` holds only inputs.
 
@@ -33,7 +36,7 @@ import pandas as pd
 from . import inspect as views
 from ..standins._proc import stop_server
 from ..runtime.agent import Readiness, check_model
-from .children import LabKernel, LabWorker
+from .children import LabKernel, LabServer, LabWorker
 from ..standins.model_proxy import ModelProxyControl, normalize_upstream, start_model_proxy
 from ..standins.scripted_model import ScriptedModelControl, start_scripted_model
 from ..runtime.settings import Settings
@@ -232,6 +235,13 @@ class Lab:
     def worker(self, **env: str) -> LabWorker:
         """Start the agent in a plain subprocess (same interface as `kernel()`)."""
         child = LabWorker(self.env(**env), cwd=self.root, log_path=self._log("worker"))
+        self._children.append(child)
+        return child.start()
+
+    def server(self, **env: str) -> LabServer:
+        """Start `sophos-lab serve` (the HTTP API) on a free loopback port; `child.url` is its base
+        URL. Same interface as `worker()`, over HTTP and SSE."""
+        child = LabServer(self.env(**env), cwd=self.root, log_path=self._log("server"))
         self._children.append(child)
         return child.start()
 

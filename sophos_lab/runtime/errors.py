@@ -7,6 +7,9 @@ because the new owner's record is the one that stands. `THINKING_UNSUPPORTED`: O
 with a model that cannot think. Requests that are
 refused before a run starts use `BAD_REQUEST`, `NOT_FOUND`, `SESSION_IN_PROGRESS` and
 `RUN_NOT_RESUMABLE`; a database the code cannot use raises `SCHEMA_TOO_NEW` or `CONFIG_ERROR`.
+`IDEMPOTENCY_KEY_REUSED`: a key given again with a different request. `REPLAY_GONE`: a follower
+asked to replay events that the run's bounded buffer no longer keeps (reload the conversation
+and follow again from the events still kept).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ SESSION_IN_PROGRESS = "SESSION_IN_PROGRESS"
 RUN_NOT_RESUMABLE = "RUN_NOT_RESUMABLE"
 SCHEMA_TOO_NEW = "SCHEMA_TOO_NEW"
 CONFIG_ERROR = "CONFIG_ERROR"
+IDEMPOTENCY_KEY_REUSED = "IDEMPOTENCY_KEY_REUSED"
+REPLAY_GONE = "REPLAY_GONE"
 
 RECURSION_LIMIT_MESSAGE = "The agent reached its step limit (AGENT_RECURSION_LIMIT) without finishing."
 # What a MODEL_UNAVAILABLE run records: the model, the server and Ollama's own words, e.g.

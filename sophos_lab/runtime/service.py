@@ -41,7 +41,7 @@ from .messages import message_dtos, pending_dtos
 from .ownership import Owner
 from .retention import Removal, Vacuum
 from .settings import Settings
-from .store import PAGE_SIZE, Conversation, ConversationPage, Run, Store, decode_cursor, page_size, unapplied_input
+from .store import PAGE_SIZE, Conversation, ConversationPage, IdempotencyKey, Run, Store, decode_cursor, page_size, unapplied_input
 from .tools import McpTools
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,11 @@ class ConversationDetail:
 
 @dataclass
 class ActiveRun:
-    """A run in progress in this process, with its event buffer (replayable from any id)."""
+    """A run in progress in this process, with its event buffer (replayable from any id it keeps).
+
+    The buffer keeps the latest `keep` events (all of them when `keep` is None); ids go on
+    counting, so the buffer holds ids `dropped + 1` to `last_id`.
+    """
 
     id: str
     conversation: str
@@ -102,27 +106,50 @@ class ActiveRun:
     """Another process took the run over (this process's lease ran out)."""
     recorded: bool = False
     """Its outcome has been written (or refused, when it was lost): no lease to keep for it."""
+    keep: int | None = None
+    """How many of the latest events the buffer keeps for replay (None: every event)."""
+    dropped: int = 0
+    """How many of the oldest events the buffer has let go (ids 1 to `dropped`)."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, name: str, data: Any) -> Event:
-        event = Event(len(self.buffer) + 1, name, data)
+        event = Event(self.last_id + 1, name, data)
         self.buffer.append(event)
+        if self.keep is not None and len(self.buffer) > self.keep:
+            excess = len(self.buffer) - self.keep
+            del self.buffer[:excess]
+            self.dropped += excess
         self._signal.set()
         self._signal = asyncio.Event()
         return event
+
+    @property
+    def last_id(self) -> int:
+        """The id of the latest event (0 before the first)."""
+        return self.dropped + len(self.buffer)
 
     @property
     def finished(self) -> bool:
         return bool(self.buffer) and self.buffer[-1].is_terminal
 
     async def events(self, after: int = 0) -> AsyncIterator[Event]:
-        """Every event with an id above `after`, then live ones, up to the final event."""
-        index = after
+        """Every event with an id above `after`, then live ones, up to the final event.
+
+        Raises `REPLAY_GONE` when the next event to give is no longer kept: `after` is older
+        than the buffer, or a slow reader fell more than `keep` events behind.
+        """
+        last = after
         while True:
             signal = self._signal
-            while index < len(self.buffer):
+            while last < self.last_id:
+                index = last - self.dropped
+                if index < 0:
+                    raise SophosError(errors.REPLAY_GONE, (
+                        f"Events {last + 1} to {self.dropped} of run {self.id} are no longer kept (the "
+                        f"buffer keeps the latest {self.keep}). Reload the conversation, then follow "
+                        "the run again without Last-Event-ID: it starts from the oldest event kept."))
                 event = self.buffer[index]
-                index += 1
+                last = event.id
                 yield event
                 if event.is_terminal:
                     return
@@ -130,7 +157,7 @@ class ActiveRun:
 
     async def wait(self) -> Event:
         """The final event (`end` or `chat-error`)."""
-        async for event in self.events(len(self.buffer) - 1 if self.buffer else 0):
+        async for event in self.events(max(self.last_id - 1, 0)):
             pass
         return event  # events() stops right after the final event
 
@@ -217,8 +244,13 @@ class AgentService:
 
     # running
 
-    async def chat(self, message: object, conversation: object = None) -> ActiveRun:
-        """Start a run with a new user message, in a new conversation unless one is given."""
+    async def chat(
+        self, message: object, conversation: object = None, idempotency: IdempotencyKey | None = None
+    ) -> ActiveRun:
+        """Start a run with a new user message, in a new conversation unless one is given.
+
+        With `idempotency`, its key is written with the run; a key that started a run already
+        refuses this one with `IDEMPOTENCY_KEY_REUSED` (`store.keyed_run` says which)."""
         self._check_accepting()
         text = parse_message(message)
         if conversation is None:
@@ -231,10 +263,11 @@ class AgentService:
         # A message accepted earlier that never reached the thread goes first: nothing is dropped.
         carried = [] if new else await self._carried_input(conversation_id)
         messages = [*carried, {"id": str(uuid.uuid4()), "content": text}]
-        return await self._launch(conversation_id, messages, resume=False, title=text if new else None)
+        return await self._launch(conversation_id, messages, resume=False, title=text if new else None,
+                                  idempotency=idempotency)
 
-    async def resume(self, conversation: object) -> ActiveRun:
-        """Start a run that continues the thread from its latest checkpoint."""
+    async def resume(self, conversation: object, idempotency: IdempotencyKey | None = None) -> ActiveRun:
+        """Start a run that continues the thread from its latest checkpoint (`idempotency` as in `chat`)."""
         self._check_accepting()
         conversation_id = self._existing(conversation).id
         self._check_idle(conversation_id)
@@ -243,7 +276,7 @@ class AgentService:
         pending = self._pending_input(conversation_id, state.metadata)
         if not state.next and not pending:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")
-        return await self._launch(conversation_id, pending, resume=True)
+        return await self._launch(conversation_id, pending, resume=True, idempotency=idempotency)
 
     async def ask(self, message: str, conversation: str | None = None) -> Event:
         """Start a chat run and wait for its final event (handy in a notebook cell)."""
@@ -260,8 +293,9 @@ class AgentService:
         for run in list(self.active.values()):
             run.control.request_drain(reason)
 
-    async def shutdown(self, timeout: float | None = None) -> None:
-        """Drain active runs (up to `timeout`, default `SHUTDOWN_TIMEOUT`), record them, close."""
+    async def drain(self, timeout: float | None = None) -> None:
+        """Stop accepting runs; each active run stops at its next step boundary, or is cancelled
+        after `timeout` (default `SHUTDOWN_TIMEOUT`). Each is recorded and publishes its final event."""
         self.request_drain()
         tasks = [run.task for run in self.active.values() if run.task is not None]
         if tasks:
@@ -270,6 +304,10 @@ class AgentService:
                 task.cancel()  # recorded as interrupted / SHUTDOWN by _execute
             if pending:
                 await asyncio.wait(pending)
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        """Drain active runs (up to `timeout`, default `SHUTDOWN_TIMEOUT`), record them, close."""
+        await self.drain(timeout)
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -359,13 +397,15 @@ class AgentService:
         return unapplied_input(latest.id, latest.input, (metadata or {}).get("run_id"))
 
     async def _launch(
-        self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None
+        self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None,
+        idempotency: IdempotencyKey | None = None,
     ) -> ActiveRun:
-        run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume)
+        run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume,
+                        keep=self.settings.event_buffer)
 
         def start() -> None:
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
-            self.store.start_run(run.id, conversation_id, messages, title)
+            self.store.start_run(run.id, conversation_id, messages, title, idempotency)
             self.active[conversation_id] = run
 
         await self._write(start)

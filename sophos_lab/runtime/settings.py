@@ -18,6 +18,7 @@ DEFAULT_MEMORY_FILE_PATH = "data/memory/memory.jsonl"
 DEFAULT_RECURSION_LIMIT = 25
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_LEASE_SECONDS = 15.0
+DEFAULT_EVENT_BUFFER = 10_000
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Settings:
     single_owner: bool = False
     """Reproduce the original's ownership: a `running` run at first open means dead, and no
     process checks who owns a run before writing (lesson 08 shows what that costs)."""
+    event_buffer: int = DEFAULT_EVENT_BUFFER
+    """How many of a run's latest events are kept for replay (`Last-Event-ID`); older ones go."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -65,6 +68,7 @@ class Settings:
             naive_shutdown=_flag(env.get("SOPHOS_LAB_NAIVE_SHUTDOWN")),
             lease_seconds=_positive(env.get("SOPHOS_LAB_LEASE_SECONDS"), DEFAULT_LEASE_SECONDS, float),
             single_owner=_flag(env.get("SOPHOS_LAB_SINGLE_OWNER")),
+            event_buffer=_positive(env.get("SOPHOS_LAB_EVENT_BUFFER"), DEFAULT_EVENT_BUFFER, int),
         )
 
     def with_changes(self, **changes: object) -> Settings:

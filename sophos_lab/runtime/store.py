@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import BAD_REQUEST, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
+from .errors import BAD_REQUEST, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
 from .ownership import Owner, owner_gone
 
 RUN_STATUSES = ("running", "interrupted", "completed", "failed", "cancelled")
@@ -101,6 +101,18 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX conversations_by_recency ON conversations (updated_at);
     DROP INDEX runs_by_conversation;
     CREATE INDEX runs_by_conversation ON runs (conversation_id);
+    """,
+    # v5: idempotency keys of the requests that started runs (the HTTP API's `Idempotency-Key`).
+    # A key is written in the transaction that writes its run, so a repeat after any crash finds
+    # either both or neither. `request` is the request in a canonical form: a repeat must match it.
+    """
+    CREATE TABLE idempotency_keys (
+        key TEXT PRIMARY KEY,
+        request TEXT NOT NULL,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        run_id TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+        created_at TEXT NOT NULL
+    );
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -189,6 +201,25 @@ class Run:
     owner_id: str | None = None
     input: str | None = None
     """The user's messages this run adds to the thread, as JSON `[{"id", "content"}]`."""
+
+
+@dataclass(frozen=True)
+class IdempotencyKey:
+    """A client's key for the request that starts a run, and that request in a canonical form."""
+
+    key: str
+    request: str
+
+
+@dataclass(frozen=True)
+class KeyedRun:
+    """The run a key started (a row of `idempotency_keys`)."""
+
+    key: str
+    request: str
+    conversation_id: str
+    run_id: str
+    created_at: str
 
 
 def unapplied_input(run_id: str, run_input: str | None, checkpoint_run_id: str | None) -> list[dict[str, str]]:
@@ -528,12 +559,15 @@ class Store:
         conversation_id: str,
         input_messages: list[dict[str, str]] | None = None,
         title: str | None = None,
+        idempotency: IdempotencyKey | None = None,
     ) -> None:
         """Start a run, in one transaction: the conversation (when `title` is given, it is new),
-        this owner's lease, the `running` row with the messages it carries, `updated_at`.
+        this owner's lease, the `running` row with the messages it carries, `updated_at`, and
+        the request's idempotency key if it has one.
 
         A `running` run of a live owner on the conversation makes the database refuse the row
-        (`SESSION_IN_PROGRESS`); one of a gone owner is relabelled `interrupted` first.
+        (`SESSION_IN_PROGRESS`); one of a gone owner is relabelled `interrupted` first. A key
+        already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`): see `keyed_run`.
         """
         self.recover(conversation_id)
         now = utc_now()
@@ -553,9 +587,18 @@ class Store:
             ),
             ("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id)),
         ]
+        if idempotency is not None:
+            statements.append((
+                "INSERT INTO idempotency_keys (key, request, conversation_id, run_id, created_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (idempotency.key, idempotency.request, conversation_id, run_id, now),
+            ))
         try:
             self._transaction(statements)
         except sqlite3.IntegrityError as error:
+            if "idempotency_keys.key" in str(error):
+                raise SophosError(IDEMPOTENCY_KEY_REUSED,
+                                  f"The idempotency key {idempotency.key!r} has started a run already") from error
             if "one_running_run_per_conversation" in str(error) or "runs.conversation_id" in str(error):
                 raise SophosError(SESSION_IN_PROGRESS, "Previous request still in progress") from error
             raise
@@ -607,6 +650,11 @@ class Store:
             (conversation_id,),
         ).fetchone()
         return Run(**row) if row else None
+
+    def keyed_run(self, key: str) -> KeyedRun | None:
+        """The run an idempotency key started, if it started one."""
+        row = self.conn.execute("SELECT * FROM idempotency_keys WHERE key = ?", (key,)).fetchone()
+        return KeyedRun(**row) if row else None
 
     def list_runs(self, conversation_id: str | None = None) -> list[Run]:
         """Runs in start order, of one conversation or of all."""

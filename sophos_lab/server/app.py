@@ -1,0 +1,125 @@
+"""The ASGI app: the API routes over one `AgentService`, the token check, the error envelope.
+
+    app = create_app(Settings.from_env(), ServerOptions.from_env())
+
+Nothing is opened when the app starts, as in the original: the database (and its crash
+recovery) on the first request that needs it, the MCP servers on the first run that needs
+tools; `healthz` and `readyz` touch neither. The lifespan's end drains and closes the service.
+Under plain uvicorn that end comes only after every connection has closed, so a stream
+following a run would hold the shutdown until the run ended on its own; `sophos-lab serve`
+(`process.DrainingServer`) drains first, then lets uvicorn close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..runtime import errors
+from ..runtime.errors import SophosError
+from ..runtime.service import AgentService
+from ..runtime.settings import Settings
+from .auth import BearerToken
+from .routes import API
+from .wire import INTERNAL_ERROR, METHOD_NOT_ALLOWED, error_response, refusal
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PING_SECONDS = 15.0
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What the HTTP layer needs beyond the runtime's `Settings`."""
+
+    token: str | None = None
+    """`SOPHOS_LAB_TOKEN`: when set, every request needs `Authorization: Bearer <token>`."""
+    ping_seconds: float = DEFAULT_PING_SECONDS
+    """`SOPHOS_LAB_SSE_PING_SECONDS`: how often an open stream gets a `ping` (the original's 15 s)."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """`SOPHOS_LAB_MAX_BODY_BYTES`: a larger request body is refused with 413."""
+    log_dir: Path | None = None
+    """`SOPHOS_LAB_LOG_DIR`: where the MCP servers' stderr goes."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerOptions:
+        env = os.environ if environ is None else environ
+        log_dir = env.get("SOPHOS_LAB_LOG_DIR")
+        return cls(
+            token=env.get("SOPHOS_LAB_TOKEN") or None,
+            ping_seconds=_positive(env.get("SOPHOS_LAB_SSE_PING_SECONDS"), DEFAULT_PING_SECONDS, float),
+            max_body_bytes=_positive(env.get("SOPHOS_LAB_MAX_BODY_BYTES"), DEFAULT_MAX_BODY_BYTES, int),
+            log_dir=Path(log_dir) if log_dir else None,
+        )
+
+
+def _positive(raw: str | None, default, kind):
+    try:
+        value = kind(raw or "")
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def create_app(settings: Settings, options: ServerOptions | None = None) -> Starlette:
+    """The app over one new `AgentService` with these settings (`app.state.service`)."""
+    options = options or ServerOptions()
+    service = AgentService(settings, log_dir=options.log_dir)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        try:
+            yield
+        finally:
+            await service.shutdown()
+
+    app = Starlette(
+        # The web page (a static directory at "/") goes after the API routes, e.g.
+        # Mount("/", StaticFiles(directory=..., html=True)): the routes match first.
+        routes=list(API),
+        middleware=[Middleware(BearerToken, token=options.token)] if options.token else [],
+        exception_handlers={SophosError: _refused, HTTPException: _http_error, Exception: _failed},
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.options = options
+    return app
+
+
+async def _refused(request: Request, error: Exception) -> Response:
+    assert isinstance(error, SophosError)
+    return refusal(error)
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    """Starlette's own 404 and 405, in the error envelope."""
+    assert isinstance(error, HTTPException)
+    if error.status_code == 405:
+        allowed = sorted({
+            method for route in request.app.routes if isinstance(route, Route)
+            and route.path_regex.fullmatch(request.url.path) for method in route.methods or ()
+        })
+        return error_response(METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.url.path}",
+                              {"Allow": ", ".join(allowed)})
+    if error.status_code == 404:
+        return error_response(errors.NOT_FOUND, f"No such endpoint: {request.url.path}")
+    response = error_response(f"HTTP_{error.status_code}", error.detail)
+    response.status_code = error.status_code
+    return response
+
+
+async def _failed(request: Request, error: Exception) -> Response:
+    log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    return error_response(INTERNAL_ERROR, f"{type(error).__name__}: {error}")

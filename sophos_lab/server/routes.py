@@ -1,0 +1,243 @@
+"""The endpoints, in the original's paths, bodies, status codes and order of checks.
+
+Every handler is async and calls the service on the event loop: `AgentService` is not
+thread-safe. Refusals are raised as `SophosError` and answered with the error envelope
+(`app.refused`); the SSE endpoint answers refusals as a single event instead, as the original.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..runtime import errors
+from ..runtime.agent import check_model_async
+from ..runtime.errors import SophosError
+from ..runtime.service import AgentService, parse_conversation_id
+from ..runtime.store import PAGE_SIZE, IdempotencyKey
+from . import sse
+from .wire import (
+    CONVERSATION_NOT_FOUND, FETCH_ERROR, INVALID_ID, LOAD_ERROR, PAYLOAD_TOO_LARGE,
+    conversation_detail, conversation_summary, error_response, run_dto,
+)
+
+log = logging.getLogger(__name__)
+
+_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+
+
+def service_of(request: Request) -> AgentService:
+    return request.app.state.service
+
+
+def conversation_id(value: object) -> str:
+    """A UUID (versions 1-5), lower-cased; anything else is the original's 400."""
+    try:
+        return parse_conversation_id(value)
+    except SophosError:
+        raise SophosError(errors.BAD_REQUEST, INVALID_ID) from None
+
+
+async def json_object(request: Request, limit: int) -> dict:
+    """The request body as a JSON object, read up to `limit` bytes (more is a 413)."""
+    too_large = SophosError(PAYLOAD_TOO_LARGE, f"Request body is larger than {limit} bytes; nothing was stored.")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    try:
+        value = json.loads(body)
+    except ValueError:  # not JSON, or not UTF-8
+        raise SophosError(errors.BAD_REQUEST, "Request body must be JSON") from None
+    if not isinstance(value, dict):
+        raise SophosError(errors.BAD_REQUEST, "Request body must be a JSON object")
+    return value
+
+
+def idempotency_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is not None and not _KEY.fullmatch(key):
+        raise SophosError(errors.BAD_REQUEST, "Idempotency-Key must be 1 to 255 visible ASCII characters")
+    return key
+
+
+def canonical_request(resume: bool, message: object, conversation: str | None) -> str:
+    """What a request asks for, as a key's repeat must ask it again (a resume ignores `message`)."""
+    asked = {"resume": True, "conversation": conversation} if resume else {"message": message, "conversation": conversation}
+    return json.dumps(asked, sort_keys=True, ensure_ascii=True)
+
+
+def repeat_of(service: AgentService, keyed: IdempotencyKey) -> JSONResponse | None:
+    """The first answer to a key that started a run already; None if it started none."""
+    first = service.store.keyed_run(keyed.key)
+    if first is None:
+        return None
+    if first.request != keyed.request:
+        raise SophosError(errors.IDEMPOTENCY_KEY_REUSED, (
+            f"The Idempotency-Key {keyed.key!r} started run {first.run_id} with another request "
+            f"({first.request}); use a new key for a new request."))
+    return JSONResponse({"conversation": first.conversation_id, "run": first.run_id},
+                        headers={"Idempotent-Replayed": "true"})
+
+
+async def start_chat(request: Request) -> Response:
+    """`POST /api/chat`: `{message}`, `{message, conversation}` or `{resume: true, conversation}`.
+
+    The original's order of checks, with the kit's additions in it: the body is JSON (and not
+    too large); a message unless resuming; the `Idempotency-Key`, if any, is well formed; a
+    conversation to resume; a valid id; a key seen before answers as it did the first time;
+    then the service: unknown id (404), a run in progress (409), nothing to resume (409).
+    """
+    service = service_of(request)
+    body = await json_object(request, request.app.state.options.max_body_bytes)
+    resume = body.get("resume") is True
+    message = body.get("message")
+    if not resume and not (isinstance(message, str) and message.strip()):
+        raise SophosError(errors.BAD_REQUEST, "Message is required")
+    key = idempotency_key(request)
+    conversation = body.get("conversation")
+    if conversation is None:
+        if resume:
+            raise SophosError(errors.BAD_REQUEST, "A conversation is required to resume")
+    else:
+        conversation = conversation_id(conversation)
+    keyed = None
+    if key is not None:
+        keyed = IdempotencyKey(key, canonical_request(resume, message, conversation))
+        if (first := repeat_of(service, keyed)) is not None:
+            return first
+    try:
+        if resume:
+            run = await service.resume(conversation, keyed)
+        else:
+            run = await service.chat(message, conversation, keyed)
+    except SophosError:
+        # A request with the same key may have started its run while this one was checked.
+        if keyed is not None and (first := repeat_of(service, keyed)) is not None:
+            return first
+        raise
+    return JSONResponse({"conversation": run.conversation, "run": run.id})
+
+
+async def follow_chat(request: Request) -> Response:
+    """`GET /api/chat?conversation=<uuid>`: the run's events over SSE, replayed after `Last-Event-ID`."""
+    service = service_of(request)
+    options = request.app.state.options
+
+    def stream(frames):
+        return sse.event_stream(frames, options.ping_seconds, service.settings.shutdown_timeout)
+
+    try:
+        conversation = conversation_id(request.query_params.get("conversation"))
+    except SophosError as invalid:
+        return stream(sse.single("chat-error", invalid.to_dict()))
+    run = service.active.get(conversation)
+    if run is None:
+        try:
+            await service.get_conversation(conversation)  # recovers a dead owner's run first
+        except SophosError as error:
+            message = CONVERSATION_NOT_FOUND if error.code == errors.NOT_FOUND else error.message
+            return stream(sse.single("chat-error", {"code": error.code, "message": message,
+                                                    "conversation": conversation}))
+        run = service.active.get(conversation)
+    if run is None:
+        latest = service.store.latest_run(conversation)
+        return stream(sse.single("end", {
+            "conversation": conversation,
+            "run": latest.id if latest else None,
+            "status": latest.status if latest else None,
+        }))
+    return stream(sse.follow(run, sse.last_event_id(request.headers.get("last-event-id"))))
+
+
+async def list_conversations(request: Request) -> Response:
+    """All conversations, as the original; with `?limit=` or `?cursor=`, one page of them and the
+    `next_cursor` to pass back for the next (null on the last page)."""
+    query = request.query_params
+    paged = "limit" in query or "cursor" in query
+    try:
+        if paged:
+            limit = query.get("limit", str(PAGE_SIZE))
+            page = service_of(request).conversation_page(int(limit) if limit.isdigit() else limit,
+                                                         query.get("cursor"))
+            return JSONResponse({"conversations": [conversation_summary(c) for c in page.conversations],
+                                 "next_cursor": page.next_cursor})
+        conversations = service_of(request).list_conversations()
+    except SophosError:
+        raise
+    except Exception:
+        log.exception("could not list the conversations")
+        return error_response(FETCH_ERROR, "Failed to fetch conversations")
+    return JSONResponse({"conversations": [conversation_summary(c) for c in conversations]})
+
+
+async def get_conversation(request: Request) -> Response:
+    conversation = conversation_id(request.path_params["conversation"])
+    try:
+        detail = await service_of(request).get_conversation(conversation)
+    except SophosError:
+        raise
+    except Exception:
+        log.exception("could not load conversation %s", conversation)
+        return error_response(LOAD_ERROR, "Failed to load conversation")
+    return JSONResponse(conversation_detail(detail))
+
+
+async def export_conversation(request: Request) -> Response:
+    """Markdown by default (any format but `jsonl`), or the checkpoint history as JSON lines."""
+    conversation = conversation_id(request.path_params["conversation"])
+    service = service_of(request)
+    if request.query_params.get("format") == "jsonl":
+        return Response(await service.export_jsonl(conversation), headers={
+            "Content-Type": "application/x-ndjson; charset=utf-8",
+            "Content-Disposition": f'attachment; filename="{conversation}.checkpoints.jsonl"',
+        })
+    return Response(await service.export_markdown(conversation), headers={
+        "Content-Type": "text/markdown; charset=utf-8",
+        "Content-Disposition": f'attachment; filename="{conversation}.md"',
+    })
+
+
+async def list_runs(request: Request) -> Response:
+    """The conversation's runs in start order (kit only), after recovery of dead owners' runs."""
+    conversation = conversation_id(request.path_params["conversation"])
+    service = service_of(request)
+    await service.get_conversation(conversation)
+    return JSONResponse({"runs": [run_dto(run) for run in service.list_runs(conversation)]})
+
+
+async def healthz(request: Request) -> Response:
+    """Touches nothing: not the database, not the model, not MCP."""
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    """Does `OLLAMA_HOST` answer and list `OLLAMA_MODEL`? Advisory: runs are accepted either way."""
+    readiness = await check_model_async(service_of(request).settings)
+    if readiness.ok:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "error", "message": readiness.message}, 503)
+
+
+API = [
+    Route("/api/chat", start_chat, methods=["POST"]),
+    Route("/api/chat", follow_chat, methods=["GET"]),
+    Route("/api/conversations", list_conversations, methods=["GET"]),
+    Route("/api/conversations/{conversation}/export", export_conversation, methods=["GET"]),
+    Route("/api/conversations/{conversation}/runs", list_runs, methods=["GET"]),
+    # Run control goes here as the runtime gains it (there is no cancel or approval yet), e.g.
+    # POST /api/conversations/{conversation}/runs/{run}/cancel, before the catch-all below.
+    # Any other path under a conversation is not a conversation id: the original's 400.
+    Route("/api/conversations/{conversation:path}", get_conversation, methods=["GET"]),
+    Route("/api/healthz", healthz, methods=["GET"]),
+    Route("/api/readyz", readyz, methods=["GET"]),
+]
