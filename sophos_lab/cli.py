@@ -298,6 +298,7 @@ def retention(args: argparse.Namespace, environ: Mapping[str, str] | None = None
             if args.command == "delete":
                 print((await service.delete_conversation(args.conversation, dry_run=args.dry_run)).describe())
             elif args.command == "prune":
+                rules.parse_keep(args.keep)  # a bad --keep is refused once, not once per conversation
                 targets = rules.conversation_ids(path) if args.all else [args.conversation]
                 for conversation in targets:
                     try:

@@ -192,7 +192,8 @@ def test_conversations_come_in_pages_with_a_cursor_for_the_next(server):
     assert walked == everything
 
 
-@pytest.mark.parametrize("params", [{"limit": "0"}, {"limit": "many"}, {"limit": "1001"}, {"cursor": "not-a-cursor"}])
+@pytest.mark.parametrize("params", [{"limit": "0"}, {"limit": "many"}, {"limit": "²"}, {"limit": "1001"},
+                                    {"cursor": "not-a-cursor"}])
 def test_a_bad_page_request_is_a_400(server, params):
     status, code, _ = refusal(server.request("GET", "/api/conversations", params=params))
     assert (status, code) == (400, "BAD_REQUEST")

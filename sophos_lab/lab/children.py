@@ -189,11 +189,12 @@ class _Child(abc.ABC):
                     f"not come. Run the cell again, or make the message name {tool} more plainly.")
             final = self.wait_final()
             answer = " ".join("".join(e["data"] for e in self.events() if e["event"] == "token").split())
-            outcome = (f"answered without calling {tool or 'a tool'}" if final["event"] == "end"
-                       else f"ended with {final['event']} {final['data'].get('code', '')}".rstrip())
-            print(f"Attempt {attempt} of {attempts}: the model {outcome}"
+            completed = final["event"] == "end" and final["data"].get("status", "completed") == "completed"
+            outcome = (f"model answered without calling {tool or 'a tool'}" if completed else
+                       f"run ended with {final['event']} {final['data'].get('code') or final['data'].get('status')}")
+            print(f"Attempt {attempt} of {attempts}: the {outcome}"
                   + (f": “{answer[:160]}{'…' if len(answer) > 160 else ''}”" if answer else "."))
-            if final["event"] != "end":
+            if not completed:
                 break
             if attempt < attempts:
                 print("A real model may do that. Asking again, in a new conversation.")
@@ -203,8 +204,13 @@ class _Child(abc.ABC):
             "Capabilities; qwen3 and llama3.1 do), or make the message name the tool more plainly.")
 
     def conversation(self) -> str:
-        """The conversation of the latest command (from its `started` event)."""
-        return self.wait_for("started", timeout=60)["data"]["conversation"]
+        """The conversation of the latest command (from its `started` event); a refused command
+        raises `ChildFailed` with the refusal's code at once."""
+        event = self.wait_for(("started", "rejected"), timeout=60)
+        if event["event"] == "rejected":
+            raise ChildFailed(f"the child refused {event['data'].get('cmd', 'the command')}: "
+                              f"{event['data'].get('code')} ({event['data'].get('message')})")
+        return event["data"]["conversation"]
 
     def events(self) -> list[dict[str, Any]]:
         return self.log.of_command()
@@ -494,8 +500,8 @@ class LabServer(LabWorker):
         self.log.start_command()
         self._follow_in_thread(conversation, {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)})
 
-    def _follow_in_thread(self, conversation: str, headers: dict[str, str]) -> None:
-        threading.Thread(target=self._follow, args=(conversation, headers), daemon=True).start()
+    def _follow_in_thread(self, conversation: str, headers: dict[str, str], accepted: dict | None = None) -> None:
+        threading.Thread(target=self._follow, args=(conversation, headers, accepted), daemon=True).start()
 
     def _send(self, cmd: str, **args: Any) -> None:
         if cmd == "conversations":
@@ -509,18 +515,26 @@ class LabServer(LabWorker):
             error = response.json().get("error", {})
             self.log.append({"event": "rejected", "data": {**error, "status": response.status_code, "cmd": cmd}})
             return
-        self._follow_in_thread(response.json()["conversation"], {})
+        accepted = response.json()
+        self._follow_in_thread(accepted["conversation"], {}, accepted)
 
-    def _follow(self, conversation: str, headers: dict[str, str]) -> None:
+    def _follow(self, conversation: str, headers: dict[str, str], accepted: dict | None = None) -> None:
         import httpx
 
+        started = accepted is None
         try:
             with httpx.stream("GET", f"{self.url}/api/chat", params={"conversation": conversation},
                               headers={**self.headers, **headers},
                               timeout=httpx.Timeout(60, read=None)) as response:
                 for event in sse_events(response.iter_lines()):
-                    if event["event"] != "ping":
-                        self.log.append(event)
+                    if event["event"] == "ping":
+                        continue
+                    if not started and event["id"] is None and event["event"] in FINAL_EVENTS:
+                        # The run ended before this follow attached: the server answers from the
+                        # database with one id-less event, so say first that it had started.
+                        self.log.append({"id": None, "event": "started", "data": accepted})
+                    started = started or event["event"] == "started"
+                    self.log.append(event)
         except httpx.HTTPError:
             pass  # the server went away: its `process-exited` event says so
 

@@ -19,7 +19,7 @@ data: only this one SQLite file.
 
 Ownership holds as everywhere else: a conversation whose run a live process is running is
 refused (`SESSION_IN_PROGRESS`). A run whose owner is gone (a crash) is no obstacle: a delete
-takes it with the rest, a prune relabels it `interrupted` in its own transaction, as recovery
+takes it with the rest, a prune relabels it `interrupted` inside the prune's transaction, as recovery
 does, and the conversation resumes afterwards. A process
 that lost its run can write nothing back afterwards: its saver's fence refuses every write for
 a thread on which it holds no `running` run. A dry run opens the file read-only and writes
@@ -203,7 +203,8 @@ def delete_conversation(conn: sqlite3.Connection, conversation_id: str, me: Owne
     recoverable_runs(conn, conversation_id, me, "delete")  # a dead owner's run goes with the rest
     removal = plan_delete(conn, conversation_id)
     for table, column in (("writes", "thread_id"), ("checkpoints", "thread_id"), ("prunes", "conversation_id"),
-                          ("runs", "conversation_id"), ("conversations", "id")):
+                          ("idempotency_keys", "conversation_id"), ("runs", "conversation_id"),
+                          ("conversations", "id")):
         if _has_table(conn, table):
             conn.execute(f"DELETE FROM {table} WHERE {column} = ?", (conversation_id,))
     return removal

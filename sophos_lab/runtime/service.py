@@ -299,7 +299,7 @@ class AgentService:
         self.request_drain()
         tasks = [run.task for run in self.active.values() if run.task is not None]
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=timeout or self.settings.shutdown_timeout)
+            _, pending = await asyncio.wait(tasks, timeout=self.settings.shutdown_timeout if timeout is None else timeout)
             for task in pending:
                 task.cancel()  # recorded as interrupted / SHUTDOWN by _execute
             if pending:

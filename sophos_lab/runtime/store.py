@@ -113,6 +113,8 @@ MIGRATIONS: tuple[str, ...] = (
         run_id TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
         created_at TEXT NOT NULL
     );
+    CREATE INDEX idempotency_keys_by_run ON idempotency_keys (run_id);
+    CREATE INDEX idempotency_keys_by_conversation ON idempotency_keys (conversation_id);
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)

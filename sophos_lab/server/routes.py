@@ -83,8 +83,8 @@ def repeat_of(service: AgentService, keyed: IdempotencyKey) -> JSONResponse | No
         return None
     if first.request != keyed.request:
         raise SophosError(errors.IDEMPOTENCY_KEY_REUSED, (
-            f"The Idempotency-Key {keyed.key!r} started run {first.run_id} with another request "
-            f"({first.request}); use a new key for a new request."))
+            f"The Idempotency-Key {keyed.key!r} started run {first.run_id} with a different request; "
+            "use a new key for a new request."))
     return JSONResponse({"conversation": first.conversation_id, "run": first.run_id},
                         headers={"Idempotent-Replayed": "true"})
 
@@ -151,6 +151,10 @@ async def follow_chat(request: Request) -> Response:
         run = service.active.get(conversation)
     if run is None:
         latest = service.store.latest_run(conversation)
+        if latest is not None and latest.status == "running":  # its owner, another process, is alive
+            return stream(sse.single("chat-error", {
+                "code": errors.SESSION_IN_PROGRESS, "conversation": conversation, "run": latest.id,
+                "message": "The run is running in another process; follow it there."}))
         return stream(sse.single("end", {
             "conversation": conversation,
             "run": latest.id if latest else None,
@@ -167,7 +171,8 @@ async def list_conversations(request: Request) -> Response:
     try:
         if paged:
             limit = query.get("limit", str(PAGE_SIZE))
-            page = service_of(request).conversation_page(int(limit) if limit.isdigit() else limit,
+            number = int(limit) if limit.isascii() and limit.isdigit() else limit  # "²".isdigit() too
+            page = service_of(request).conversation_page(number,
                                                          query.get("cursor"))
             return JSONResponse({"conversations": [conversation_summary(c) for c in page.conversations],
                                  "next_cursor": page.next_cursor})
