@@ -211,6 +211,14 @@ class AgentService:
     def list_runs(self, conversation: str | None = None) -> list[Run]:
         return self.store.list_runs(None if conversation is None else parse_conversation_id(conversation))
 
+    async def conversation_summary(self, conversation: str) -> Conversation:
+        """The conversation's row, once a dead owner's run on it is recovered; no thread read."""
+        summary = self._existing(conversation)
+        await self._graph_ready()  # the saver's lock, which app-table writes take
+        if await self._write(self.store.recover, summary.id):
+            summary = self._existing(summary.id)
+        return summary
+
     async def get_conversation(self, conversation: str) -> ConversationDetail:
         """The conversation, its messages and whether it can be resumed. Reads only SQLite."""
         summary = self._existing(conversation)

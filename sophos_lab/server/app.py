@@ -122,4 +122,5 @@ async def _http_error(request: Request, error: Exception) -> Response:
 
 async def _failed(request: Request, error: Exception) -> Response:
     log.error("%s %s failed", request.method, request.url.path, exc_info=error)
-    return error_response(INTERNAL_ERROR, f"{type(error).__name__}: {error}")
+    # The details (SQL, paths) go to the server's log, not to a client that may be off loopback.
+    return error_response(INTERNAL_ERROR, f"The server failed on {request.method} {request.url.path}; its log says why.")

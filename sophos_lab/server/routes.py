@@ -143,7 +143,7 @@ async def follow_chat(request: Request) -> Response:
     run = service.active.get(conversation)
     if run is None:
         try:
-            await service.get_conversation(conversation)  # recovers a dead owner's run first
+            await service.conversation_summary(conversation)  # recovers a dead owner's run first
         except SophosError as error:
             message = CONVERSATION_NOT_FOUND if error.code == errors.NOT_FOUND else error.message
             return stream(sse.single("chat-error", {"code": error.code, "message": message,
@@ -216,7 +216,7 @@ async def list_runs(request: Request) -> Response:
     """The conversation's runs in start order (kit only), after recovery of dead owners' runs."""
     conversation = conversation_id(request.path_params["conversation"])
     service = service_of(request)
-    await service.get_conversation(conversation)
+    await service.conversation_summary(conversation)
     return JSONResponse({"runs": [run_dto(run) for run in service.list_runs(conversation)]})
 
 
