@@ -19,7 +19,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-EXTRA_PARAMETERS = {"06_chat_and_resume": {"CLICK_RESUME": True}}
+EXTRA_PARAMETERS = {
+    "06_chat_and_resume": {"CLICK_RESUME": True},
+    "10_streaming_is_not_persistence": {"DISCONNECT_AFTER": 1},
+}
 """Per lesson, parameters injected besides `CHILD`."""
 
 
