@@ -145,6 +145,18 @@ class _Child(abc.ABC):
         self.log.start_command()
         self._send("resume", conversation=conversation)
 
+    def cancel(self, conversation: str, timeout: float = 60.0) -> dict[str, Any]:
+        """Cancel `conversation`'s active run in the child; the run's final event once it is
+        recorded (`chat-error` `CANCELLED`, or `end` if the run finished first). A refusal
+        (`RUN_NOT_ACTIVE`, ...) is returned as the `rejected` event. The latest command's events
+        (`wait_final`) are still the run's."""
+        since = len(self.log.events)
+        self._send("cancel", conversation=conversation)
+        answer = self.log.wait_until(
+            lambda e: e["event"] == "cancel-answer" or _matches(e, ("rejected",), {"cmd": "cancel"}),
+            "cancel answer", timeout, since)
+        return answer["data"]["final"] if answer["event"] == "cancel-answer" else answer
+
     def conversations(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """List conversations in the child; its first database access runs recovery there."""
         self.log.start_command()
@@ -388,6 +400,10 @@ class LabKernel(_Child):
         else:
             self._tidy(self.km.provisioner.process.poll() if self.km.provisioner else None)
 
+    def cancel(self, conversation: str, timeout: float = 60.0) -> dict[str, Any]:
+        """Not for a kernel child: it runs one cell at a time, and the chat's cell is still running."""
+        raise NotImplementedError("cancel() needs a worker or a server child: a kernel runs one cell at a time")
+
     def _send(self, cmd: str, **args: Any) -> None:
         if cmd == "conversations":
             code = "_sophos.conversations();"
@@ -507,6 +523,15 @@ class LabServer(LabWorker):
         if cmd == "conversations":
             answer = self.request("GET", "/api/conversations").json()
             self.log.append({"event": "conversations", "data": answer})
+            return
+        if cmd == "cancel":
+            response = self.request("POST", f"/api/conversations/{args['conversation']}/cancel")
+            if response.status_code == 200:
+                self.log.append({"event": "cancel-answer", "data": {
+                    "conversation": args["conversation"], "final": response.json()}})
+            else:
+                error = response.json().get("error", {})
+                self.log.append({"event": "rejected", "data": {**error, "status": response.status_code, "cmd": cmd}})
             return
         body = {"resume": True, "conversation": args["conversation"]} if cmd == "resume" else {
             "message": args["message"], "conversation": args["conversation"]}

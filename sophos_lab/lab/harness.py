@@ -189,6 +189,9 @@ class Lab:
             "SHUTDOWN_TIMEOUT": str(self.shutdown_timeout),
             "SOPHOS_LAB_LOG_DIR": str(self.root / "logs"),
             "IPYTHONDIR": str(self.root / "ipython"),
+            # One attempt per model step, as the original made: lessons 00-08 show its failures
+            # as they are (a dead port is `AGENT_FAILURE` at once). Pass it to a child to retry.
+            "SOPHOS_LAB_MODEL_ATTEMPTS": "1",
         }
         env.update({key: str(value) for key, value in overrides.items()})
         return env

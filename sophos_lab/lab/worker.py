@@ -11,7 +11,9 @@ handles SIGTERM:
 
 `python -m sophos_lab.lab.worker` reads one JSON command per line on stdin:
 `{"cmd": "chat", "message": ..., "conversation": ...}`, `{"cmd": "resume", "conversation": ...}`,
-`{"cmd": "conversations"}` (opens the database: recovery runs), `{"cmd": "exit"}`. A refused command answers with a `rejected` event `{code, message}`.
+`{"cmd": "conversations"}` (opens the database: recovery runs), `{"cmd": "cancel", "conversation": ...}`
+(answered with a `cancel-answer` event holding the run's final event), `{"cmd": "exit"}`. A
+refused command answers with a `rejected` event `{code, message, cmd}`.
 
 For crash tests, `SOPHOS_LAB_STOP_AFTER_EVENT=N` makes the child SIGSTOP itself right after it
 has written and flushed the N-th event (by event id) of the first run it follows, so a parent
@@ -112,6 +114,17 @@ class ChildRuntime:
     async def resume(self, conversation: str) -> dict[str, Any] | None:
         return await self._follow(lambda: self.service.resume(conversation), "resume")
 
+    async def cancel(self, conversation: str) -> dict[str, Any] | None:
+        """Cancel the conversation's active run; emits `cancel-answer` with the run's final event
+        (the run's own events go out as usual, from the command that started it)."""
+        try:
+            final = (await self.service.cancel(conversation)).to_dict()
+        except SophosError as error:
+            self.emit({"event": "rejected", "data": {**error.to_dict(), "cmd": "cancel"}})
+            return None
+        self.emit({"event": "cancel-answer", "data": {"conversation": conversation, "final": final}})
+        return final
+
     def conversations(self) -> list[dict[str, Any]]:
         """Like the original's `GET /api/conversations`: the first call opens the database, so
         crash recovery runs here. Emits a `conversations` event with the list."""
@@ -205,6 +218,8 @@ async def serve_stdin(runtime: ChildRuntime) -> None:
             coro = runtime.chat(command.get("message"), command.get("conversation"))
         elif name == "resume":
             coro = runtime.resume(command.get("conversation"))
+        elif name == "cancel":
+            coro = runtime.cancel(command.get("conversation"))
         else:
             runtime.emit({"event": "rejected", "data": {"code": "BAD_REQUEST", "message": f"unknown command {name!r}"}})
             continue

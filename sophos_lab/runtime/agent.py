@@ -14,7 +14,8 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypedDict
 
 from langchain_core.language_models import BaseChatModel
@@ -25,11 +26,12 @@ from langchain_core.messages import (
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.checkpoint.base import BaseCheckpointSaver
-from langgraph.errors import GraphRecursionError
+from langgraph.errors import GraphRecursionError, NodeTimeoutError
 from langgraph.channels import DeltaChannel
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import REMOVE_ALL_MESSAGES
 from langgraph.prebuilt import ToolNode
+from langgraph.types import RetryPolicy, TimeoutPolicy
 
 from . import errors
 from .errors import SophosError
@@ -196,16 +198,151 @@ def chat_model(settings: Settings) -> BaseChatModel:
     )
 
 
-def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver, *, schema: type = AgentState):
+# --- retries and timeouts -------------------------------------------------------------------
+
+NODE_SETTINGS = {
+    "agent": ("SOPHOS_LAB_MODEL_ATTEMPTS", "SOPHOS_LAB_MODEL_TIMEOUT_SECONDS"),
+    "tools": ("SOPHOS_LAB_TOOL_ATTEMPTS", "SOPHOS_LAB_TOOL_TIMEOUT_SECONDS"),
+}
+"""Each node's settings: its attempts and its time limit per attempt."""
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether another attempt may succeed: a timed-out attempt, a connection refused or reset,
+    a read that broke off, an HTTP 5xx. Never a model that does not exist (404), a bad
+    configuration, or anything else: those fail the same way again. (A tool's own error is not
+    an exception at all: it is a `ToolMessage` the model reads.)"""
+    import httpx
+    from ollama import ResponseError
+
+    if isinstance(error, (ModelUnavailable, SophosError)):
+        return False
+    if isinstance(error, NodeTimeoutError):
+        return True
+    if isinstance(error, ResponseError):
+        return error.status_code >= 500
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code >= 500
+    return isinstance(error, (httpx.NetworkError, httpx.TimeoutException, httpx.RemoteProtocolError, ConnectionError))
+
+
+@dataclass
+class StepFailure:
+    """A step whose last attempt failed: no retry follows."""
+
+    node: str
+    attempt: int
+    attempts: int
+    """How many attempts the node was allowed."""
+    error: BaseException
+    transient: bool
+
+
+@dataclass
+class AttemptWatch:
+    """A run's view of its steps' attempts (set for the run in `ATTEMPT_WATCH`).
+
+    `on_retry(node, notice)` is called as soon as an attempt has failed and another will follow,
+    before the wait: `notice` is `{attempt, of, wait, code, error}` (the attempt about to come).
+    """
+
+    on_retry: Callable[[str, dict[str, Any]], None]
+    attempt: dict[str, int] = field(default_factory=dict)
+    """The attempt each node is on (LangGraph's `node_attempt`, from 1)."""
+    gave_up: StepFailure | None = None
+
+
+ATTEMPT_WATCH: ContextVar[AttemptWatch | None] = ContextVar("sophos_attempt_watch", default=None)
+"""The run's `AttemptWatch`: the service sets it in the run's task; the nodes and the retry
+policies (run in that task or in tasks it starts) read it. LangGraph's retry loop tells nothing
+but a log line, and a node's own stream writer is closed once its attempt has timed out."""
+
+
+def failure_code(node: str, error: BaseException) -> str:
+    """The code a failed attempt would be recorded with if it were the last (a retry says it)."""
+    if isinstance(error, NodeTimeoutError):
+        return errors.TIMEOUT
+    return errors.MODEL_UNREACHABLE if node == "agent" else errors.AGENT_FAILURE
+
+
+def describe_failure(node: str, error: BaseException, settings: Settings) -> str:
+    """A failed attempt in words; a timeout with the setting, not LangGraph's elapsed time."""
+    if isinstance(error, NodeTimeoutError):
+        limit = settings.model_timeout_seconds if node == "agent" else settings.tool_timeout_seconds
+        return f"the {node} step exceeded its time limit of {limit:g} s ({NODE_SETTINGS[node][1]})"
+    return str(error) or type(error).__name__
+
+
+def node_policies(node: str, settings: Settings) -> tuple[RetryPolicy, TimeoutPolicy]:
+    """The node's retry policy (attempts, exponential backoff, transient errors only) and its
+    hard time limit per attempt, from `settings`."""
+    attempts = settings.model_attempts if node == "agent" else settings.tool_attempts
+    limit = settings.model_timeout_seconds if node == "agent" else settings.tool_timeout_seconds
+
+    def retry_on(error: Exception) -> bool:
+        transient = is_transient(error)
+        watch = ATTEMPT_WATCH.get()
+        if watch is not None:
+            attempt = watch.attempt.get(node, 1)
+            if transient and attempt < attempts:
+                watch.on_retry(node, {
+                    "attempt": attempt + 1, "of": attempts, "wait": settings.backoff(attempt),
+                    **({"jitter": True} if settings.retry_jitter else {}),
+                    "code": failure_code(node, error), "error": describe_failure(node, error, settings),
+                })
+            else:
+                watch.gave_up = StepFailure(node, attempt, attempts, error, transient)
+        return transient
+
+    retry = RetryPolicy(
+        initial_interval=settings.retry_base_seconds, backoff_factor=2.0,
+        max_interval=settings.retry_max_seconds, max_attempts=attempts, jitter=settings.retry_jitter,
+        retry_on=retry_on,
+    )
+    return retry, TimeoutPolicy(run_timeout=limit)
+
+
+def _attempt_begins(node: str, runtime: Any) -> None:
+    watch = ATTEMPT_WATCH.get()
+    info = getattr(runtime, "execution_info", None)
+    if watch is not None and info is not None:
+        watch.attempt[node] = info.node_attempt
+
+
+def classify_failure(error: BaseException, gave_up: StepFailure | None, settings: Settings) -> tuple[str, str]:
+    """`classify_error`, but a step that used up its attempts on transient errors (or timed out)
+    gets the precise code, and a message that names the attempts. A single attempt that failed
+    otherwise is reported as the original did (`AGENT_FAILURE` and the client's words)."""
+    if gave_up is None or gave_up.error is not error or not gave_up.transient:
+        return classify_error(error)
+    timed_out = isinstance(error, NodeTimeoutError)
+    if gave_up.attempts == 1 and not timed_out:
+        return classify_error(error)
+    setting = NODE_SETTINGS[gave_up.node][0]
+    tries = (f"after {gave_up.attempt} attempts ({setting}={gave_up.attempts})" if gave_up.attempts > 1
+             else f"in its one attempt ({setting}=1)")
+    what = describe_failure(gave_up.node, error, settings)
+    if timed_out:
+        return errors.TIMEOUT, f"The {gave_up.node} step failed {tries}: {what}."
+    if gave_up.node == "agent":
+        return errors.MODEL_UNREACHABLE, f"The model did not answer {tries}: {what}"
+    return errors.AGENT_FAILURE, f"The tools step failed {tries}: {what}"
+
+
+def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver, *, schema: type = AgentState,
+                settings: Settings | None = None):
     """Compile the graph. With `parts=None` the graph can only be read, not run.
 
     `schema` is the state's: `AgentState`, unless you want the graph as files were written
     before it (`langgraph.graph.MessagesState`, the whole list in every checkpoint), e.g. to make
-    such a file and check that it still reads.
+    such a file and check that it still reads. `settings` gives each node its retry policy and
+    time limit (`node_policies`; the defaults of `Settings` when None).
     """
+    settings = settings or Settings()
 
-    async def agent(state: State, config: RunnableConfig) -> dict:
+    async def agent(state: State, config: RunnableConfig, runtime: Any = None) -> dict:
         assert parts is not None, "this graph was built for reading only"
+        _attempt_begins("agent", runtime)
         tools = await parts.tools()
         model = parts.model()
         bound = model.bind_tools(model_facing(tools)) if tools else model
@@ -225,8 +362,9 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver, *, 
             raise
         return {"messages": [response]}
 
-    async def tools(state: State, config: RunnableConfig) -> dict:
+    async def tools(state: State, config: RunnableConfig, runtime: Any = None) -> dict:
         assert parts is not None, "this graph was built for reading only"
+        _attempt_begins("tools", runtime)
         thread_id = config["configurable"]["thread_id"]
 
         async def keyed(request, execute):
@@ -238,8 +376,9 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver, *, 
         return await node.ainvoke(state, config)
 
     builder = StateGraph(schema)
-    builder.add_node("agent", agent)
-    builder.add_node("tools", tools)
+    for name, node in (("agent", agent), ("tools", tools)):
+        retry, timeout = node_policies(name, settings)
+        builder.add_node(name, node, retry_policy=retry, timeout=timeout)
     builder.add_edge(START, "agent")
     builder.add_conditional_edges("agent", route_after_agent, ["tools", END])
     builder.add_edge("tools", "agent")

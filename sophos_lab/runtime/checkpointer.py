@@ -7,6 +7,10 @@
   transaction) every checkpoint and pending write for a thread on which this owner does not
   hold the `running` run. A process that lost its run to another one, say after being frozen
   past its lease, can then write nothing over the new owner's work.
+- **A write is never cut in half.** A run stopped by cancelling its task (`cancel()`, or a
+  shutdown whose drain timed out) may be inside a write, between its INSERT and its commit: the
+  write goes on to its commit (the listener is told), then the cancel goes on. Cut there, the
+  connection would be left inside a write transaction that holds the file's write lock.
 """
 
 from __future__ import annotations
@@ -76,11 +80,29 @@ class NotifyingSaver(AsyncSqliteSaver):
         await self.conn.commit()
 
     async def aput(self, config, checkpoint, metadata, new_versions):
-        saved = await super().aput(config, checkpoint, metadata, new_versions)
+        write = asyncio.ensure_future(super().aput(config, checkpoint, metadata, new_versions))
+        try:
+            saved = await asyncio.shield(write)
+        except asyncio.CancelledError:
+            await asyncio.wait([write])
+            if not write.cancelled() and write.exception() is None:
+                self._tell(config, metadata)
+            raise
+        self._tell(config, metadata)
+        return saved
+
+    async def aput_writes(self, config, writes, task_id, task_path=""):
+        write = asyncio.ensure_future(super().aput_writes(config, writes, task_id, task_path))
+        try:
+            return await asyncio.shield(write)
+        except asyncio.CancelledError:
+            await asyncio.wait([write])
+            raise
+
+    def _tell(self, config: Any, metadata: dict[str, Any]) -> None:
         listener = self.listeners.get(str(config["configurable"]["thread_id"]))
         if listener is not None:
             listener(metadata)
-        return saved
 
 
 def is_fenced(error: BaseException) -> bool:

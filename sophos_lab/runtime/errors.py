@@ -4,9 +4,13 @@ Run outcomes use `AGENT_FAILURE`, `MODEL_UNAVAILABLE`, `RECURSION_LIMIT` (as in 
 `SHUTDOWN` (the kit's honest cause for a run stopped by a graceful shutdown). `OWNERSHIP_LOST`
 ends a run in a process that another process has taken the run from; it is never recorded,
 because the new owner's record is the one that stands. `THINKING_UNSUPPORTED`: OLLAMA_THINK=true
-with a model that cannot think. Requests that are
+with a model that cannot think. `CANCELLED`: a run stopped by `cancel()` ("Cancelled by user").
+A step that kept failing with transient errors until its attempts ran out ends with `TIMEOUT`
+(its last attempt exceeded its time limit; also with a single attempt) or `MODEL_UNREACHABLE`
+(the model step: connection errors or HTTP 5xx, after more than one attempt); the message names
+the attempts. Requests that are
 refused before a run starts use `BAD_REQUEST`, `NOT_FOUND`, `SESSION_IN_PROGRESS` and
-`RUN_NOT_RESUMABLE`; a database the code cannot use raises `SCHEMA_TOO_NEW` or `CONFIG_ERROR`.
+`RUN_NOT_RESUMABLE`, and `cancel()` with no run active is `RUN_NOT_ACTIVE`; a database the code cannot use raises `SCHEMA_TOO_NEW` or `CONFIG_ERROR`.
 `IDEMPOTENCY_KEY_REUSED`: a key given again with a different request. `REPLAY_GONE`: a follower
 asked to replay events that the run's bounded buffer no longer keeps (reload the conversation
 and follow again from the events still kept).
@@ -22,11 +26,15 @@ RECURSION_LIMIT = "RECURSION_LIMIT"
 SHUTDOWN = "SHUTDOWN"
 OWNERSHIP_LOST = "OWNERSHIP_LOST"
 THINKING_UNSUPPORTED = "THINKING_UNSUPPORTED"
+CANCELLED = "CANCELLED"
+MODEL_UNREACHABLE = "MODEL_UNREACHABLE"
+TIMEOUT = "TIMEOUT"
 
 BAD_REQUEST = "BAD_REQUEST"
 NOT_FOUND = "NOT_FOUND"
 SESSION_IN_PROGRESS = "SESSION_IN_PROGRESS"
 RUN_NOT_RESUMABLE = "RUN_NOT_RESUMABLE"
+RUN_NOT_ACTIVE = "RUN_NOT_ACTIVE"
 SCHEMA_TOO_NEW = "SCHEMA_TOO_NEW"
 CONFIG_ERROR = "CONFIG_ERROR"
 IDEMPOTENCY_KEY_REUSED = "IDEMPOTENCY_KEY_REUSED"
@@ -37,6 +45,7 @@ RECURSION_LIMIT_MESSAGE = "The agent reached its step limit (AGENT_RECURSION_LIM
 # The model "x" is not available from OLLAMA_HOST (http://127.0.0.1:11434): model 'x' not found
 MODEL_UNAVAILABLE_DETAIL = 'The model "{model}" is not available from {where}: {reason}'
 SHUTDOWN_MESSAGE = "The process shut down before the run finished; its progress is saved."
+CANCELLED_MESSAGE = "Cancelled by user"
 OWNERSHIP_LOST_MESSAGE = (
     "Another process took this run over: this one stopped renewing its lease (frozen or hung) and "
     "was presumed dead. It wrote nothing after that; the conversation continues where the other left it."

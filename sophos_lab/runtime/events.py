@@ -2,7 +2,7 @@
 
 The names and payloads follow the original system's wire contract:
 `token` (a string), `trace` (`{step, node, name, event, data?}` with event `enter`, `leave`,
-`call` or `result`; a `call` carries the step and model name of the agent step that asked for it
+`call` or `result`, and the kit's `retry`; a `call` carries the step and model name of the agent step that asked for it
 but `node: "tools"`, the node that will run it, exactly as the original's clients expect), `end` (`{conversation, run, status}`) and `chat-error`
 (`{code, message, conversation, run}`). The kit adds `reasoning` (the model's thinking, kept
 apart from `token` so the stream and the record agree) and `started` (`{conversation, run,
@@ -13,6 +13,9 @@ Persist, then notify: an event that reports a finished step (`leave`, and the `c
 step's writes is committed; `DurableGate` holds it until then. So a client that saw `leave` for
 step N knows a resume will not run step N again. `token` and `reasoning` events stream live,
 before anything is saved: streaming is not persistence, and a kill mid-answer loses those tokens.
+A `retry` trace (`data: {attempt, of, wait, code, error}`: attempt `attempt` of `of` follows after
+`wait` seconds, because the one before failed with `error`) is live too: it is news about a step
+in flight, of which nothing is saved; the tokens that attempt streamed are void.
 """
 
 from __future__ import annotations
@@ -75,6 +78,12 @@ class StreamTranslator:
             values = chunk["payload"].get("values") or {}
             self._latest_messages = values.get("messages", [])
         return []
+
+    def open_step(self, node: str) -> dict[str, Any]:
+        """`{step, node, name}` of the step in flight, if it is `node`'s (else step None)."""
+        if self._open is not None and self._open["node"] == node:
+            return dict(self._open)
+        return {"step": None, "node": node, "name": self.model_name if node == "agent" else ""}
 
     def finish(self) -> list[Item]:
         """A final `leave` if the stream stopped inside a step (a failure or a drain)."""

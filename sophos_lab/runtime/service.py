@@ -32,7 +32,9 @@ from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
 
 from . import errors, retention
-from .agent import AgentParts, build_graph, chat_model, check_config, classify_error, read_system_prompt
+from .agent import (
+    ATTEMPT_WATCH, AgentParts, AttemptWatch, build_graph, chat_model, check_config, classify_failure, read_system_prompt,
+)
 from .checkpointer import NotifyingSaver, is_fenced, shared_lock
 from .errors import SophosError
 from .events import DurableGate, Event, StreamTranslator
@@ -110,6 +112,10 @@ class ActiveRun:
     """How many of the latest events the buffer keeps for replay (None: every event)."""
     dropped: int = 0
     """How many of the oldest events the buffer has let go (ids 1 to `dropped`)."""
+    cancel_requested: bool = False
+    """`cancel()` was accepted: written to the run's row before anything was stopped."""
+    in_graph: bool = False
+    """The graph is streaming (a cancel then stops it mid-step); False once it has stopped."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, name: str, data: Any) -> Event:
@@ -286,6 +292,40 @@ class AgentService:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")
         return await self._launch(conversation_id, pending, resume=True, idempotency=idempotency)
 
+    async def cancel(self, conversation: object) -> Event:
+        """Stop the conversation's active run now, mid-step, and record it `cancelled` /
+        `CANCELLED` ("Cancelled by user"); the run's final event.
+
+        The request is written to the run's row first (`cancel_requested_at`), under the lock
+        the outcome is written under, and only then is the run stopped: the step in flight is
+        abandoned (the model's stream closed, a tool call left unanswered) and, not finished, is
+        not saved; every step finished before it stays saved, so the conversation resumes from
+        `next`. Whichever of the cancel and the run's own outcome reaches the database first is
+        the outcome: a run already recorded answers with its final event (`end` if it
+        completed). Refused with `RUN_NOT_ACTIVE` when this process runs nothing there.
+        """
+        conversation_id = self._existing(conversation).id
+        run = self.active.get(conversation_id)
+        if run is None:
+            latest = self.store.latest_run(conversation_id)
+            where = (" (its latest run is running in another process: cancel it there)"
+                     if latest is not None and latest.status == "running" else "")
+            raise SophosError(errors.RUN_NOT_ACTIVE, f"No run is active on conversation {conversation_id}{where}.")
+        if not run.cancel_requested:
+            def request() -> bool:
+                # Under the lock: the outcome is either written already or will see the request.
+                run.cancel_requested = not run.recorded and self.store.request_cancel(run.id)
+                return run.cancel_requested
+
+            if await self._write(request):
+                # A run whose task has not reached the graph yet is stopped by the drain at its
+                # first step boundary (cancelling a task that never started would skip its
+                # record); one past the graph is recording, and records `cancelled`.
+                run.control.request_drain("cancel")
+                if run.in_graph and run.task is not None:
+                    run.task.cancel()
+        return await run.wait()
+
     async def ask(self, message: str, conversation: str | None = None) -> Event:
         """Start a chat run and wait for its final event (handy in a notebook cell)."""
         return await (await self.chat(message, conversation)).wait()
@@ -374,7 +414,7 @@ class AgentService:
             tools=self.tools.get,
             system_prompt=lambda: read_system_prompt(self.settings),
         )
-        self._saver_conn, self._saver, self._graph = conn, saver, build_graph(parts, saver)
+        self._saver_conn, self._saver, self._graph = conn, saver, build_graph(parts, saver, settings=self.settings)
 
     async def _write(self, write: Any, *args: Any) -> Any:
         """Run an app-table write on the loop, outside any transaction of the saver.
@@ -457,7 +497,16 @@ class AgentService:
         translator = StreamTranslator(model_name=self.settings.ollama_model)
         gate = DurableGate(run.publish)
         self._saver.listeners[run.conversation] = lambda metadata: gate.saved(metadata.get("step", -1))
+
+        def retrying(node: str, notice: dict[str, Any]) -> None:
+            # Live, like a token: a retry is news about a step in flight, not a saved fact.
+            step = translator.open_step(node)
+            gate.offer("trace", {**step, "event": "retry", "data": notice}, None)
+
+        watch = AttemptWatch(on_retry=retrying)
+        ATTEMPT_WATCH.set(watch)  # this task's context, which the graph's tasks inherit
         status, error = "completed", None
+        run.in_graph = True
         try:
             async for mode, chunk in graph.astream(
                 graph_input, config, stream_mode=["messages", "debug"], durability="sync",
@@ -465,15 +514,15 @@ class AgentService:
             ):
                 for item in translator.feed(mode, chunk):
                     gate.offer(*item)
-        except GraphDrained:
-            status, error = "interrupted", (errors.SHUTDOWN, errors.SHUTDOWN_MESSAGE)
-        except asyncio.CancelledError:
-            # Only shutdown() cancels a run: its time to drain ran out mid-step.
+        except (GraphDrained, asyncio.CancelledError):
+            # A drain stopped it at a step boundary, or a cancel mid-step: cancel() or a
+            # shutdown whose time to drain ran out.
             status, error = "interrupted", (errors.SHUTDOWN, errors.SHUTDOWN_MESSAGE)
         except Exception as exc:
-            status, error = "failed", classify_error(exc)
+            status, error = "failed", classify_failure(exc, watch.gave_up, self.settings)
             run.lost = run.lost or is_fenced(exc)
         finally:
+            run.in_graph = False
             self._saver.listeners.pop(run.conversation, None)
         for item in translator.finish():
             gate.offer(*item)
@@ -485,6 +534,9 @@ class AgentService:
                 count = await self._message_count(graph, run.conversation)
 
             def record() -> bool:
+                nonlocal status, error
+                if run.cancel_requested:  # written before this, under the same lock: it wins
+                    status, error = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE)
                 recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)))
                 run.recorded = True
                 return recorded

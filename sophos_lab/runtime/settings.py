@@ -19,6 +19,12 @@ DEFAULT_RECURSION_LIMIT = 25
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_LEASE_SECONDS = 15.0
 DEFAULT_EVENT_BUFFER = 10_000
+DEFAULT_MODEL_ATTEMPTS = 3
+DEFAULT_TOOL_ATTEMPTS = 1
+DEFAULT_RETRY_BASE_SECONDS = 1.0
+DEFAULT_RETRY_MAX_SECONDS = 30.0
+DEFAULT_MODEL_TIMEOUT_SECONDS = 600.0
+DEFAULT_TOOL_TIMEOUT_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,20 @@ class Settings:
     process checks who owns a run before writing (lesson 08 shows what that costs)."""
     event_buffer: int = DEFAULT_EVENT_BUFFER
     """How many of a run's latest events are kept for replay (`Last-Event-ID`); older ones go."""
+    model_attempts: int = DEFAULT_MODEL_ATTEMPTS
+    """Attempts of one model step (the first included) when it fails with a transient error."""
+    tool_attempts: int = DEFAULT_TOOL_ATTEMPTS
+    """Attempts of one tools step. One by default: a retry repeats every tool call of the turn,
+    and only tools that store the runtime's idempotency key are safe to repeat."""
+    retry_base_seconds: float = DEFAULT_RETRY_BASE_SECONDS
+    """The wait before the first retry; retry n waits min(base * 2^(n-1), `retry_max_seconds`)."""
+    retry_max_seconds: float = DEFAULT_RETRY_MAX_SECONDS
+    retry_jitter: bool = False
+    """Add up to 1 s at random to each wait (LangGraph's jitter); off, so the waits are exact."""
+    model_timeout_seconds: float = DEFAULT_MODEL_TIMEOUT_SECONDS
+    """Hard wall-clock cap on one attempt of a model step (the whole streamed answer)."""
+    tool_timeout_seconds: float = DEFAULT_TOOL_TIMEOUT_SECONDS
+    """Hard wall-clock cap on one attempt of a tools step (all the turn's tool calls)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -69,11 +89,25 @@ class Settings:
             lease_seconds=_positive(env.get("SOPHOS_LAB_LEASE_SECONDS"), DEFAULT_LEASE_SECONDS, float),
             single_owner=_flag(env.get("SOPHOS_LAB_SINGLE_OWNER")),
             event_buffer=_positive(env.get("SOPHOS_LAB_EVENT_BUFFER"), DEFAULT_EVENT_BUFFER, int),
+            model_attempts=_positive(env.get("SOPHOS_LAB_MODEL_ATTEMPTS"), DEFAULT_MODEL_ATTEMPTS, int),
+            tool_attempts=_positive(env.get("SOPHOS_LAB_TOOL_ATTEMPTS"), DEFAULT_TOOL_ATTEMPTS, int),
+            retry_base_seconds=_positive(env.get("SOPHOS_LAB_RETRY_BASE_SECONDS"), DEFAULT_RETRY_BASE_SECONDS, float),
+            retry_max_seconds=_positive(env.get("SOPHOS_LAB_RETRY_MAX_SECONDS"), DEFAULT_RETRY_MAX_SECONDS, float),
+            retry_jitter=_flag(env.get("SOPHOS_LAB_RETRY_JITTER")),
+            model_timeout_seconds=_positive(
+                env.get("SOPHOS_LAB_MODEL_TIMEOUT_SECONDS"), DEFAULT_MODEL_TIMEOUT_SECONDS, float),
+            tool_timeout_seconds=_positive(
+                env.get("SOPHOS_LAB_TOOL_TIMEOUT_SECONDS"), DEFAULT_TOOL_TIMEOUT_SECONDS, float),
         )
 
     def with_changes(self, **changes: object) -> Settings:
         """A copy with some fields replaced."""
         return replace(self, **changes)
+
+    def backoff(self, retry: int) -> float:
+        """The wait before retry `retry` (1 for the first): min(base * 2^(retry-1), max), without
+        jitter. With base 1 and max 30: 1, 2, 4, 8, 16, 30, 30..."""
+        return min(self.retry_base_seconds * 2 ** (retry - 1), self.retry_max_seconds)
 
     @property
     def system_prompt_path(self) -> Path:

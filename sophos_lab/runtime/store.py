@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import BAD_REQUEST, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
+from .errors import BAD_REQUEST, CANCELLED, CANCELLED_MESSAGE, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
 from .ownership import Owner, owner_gone
 
 RUN_STATUSES = ("running", "interrupted", "completed", "failed", "cancelled")
@@ -116,6 +116,12 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX idempotency_keys_by_run ON idempotency_keys (run_id);
     CREATE INDEX idempotency_keys_by_conversation ON idempotency_keys (conversation_id);
     """,
+    # v6: a cancel is written before the run is stopped, so a process that dies in between
+    # leaves a run that recovery labels `cancelled`, not `interrupted` (the CHECK of v1 already
+    # allows `cancelled`).
+    """
+    ALTER TABLE runs ADD COLUMN cancel_requested_at TEXT;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 BUSY_TIMEOUT_MS = 5000
@@ -203,6 +209,8 @@ class Run:
     owner_id: str | None = None
     input: str | None = None
     """The user's messages this run adds to the thread, as JSON `[{"id", "content"}]`."""
+    cancel_requested_at: str | None = None
+    """When `cancel()` was accepted for this run (None: never asked to stop)."""
 
 
 @dataclass(frozen=True)
@@ -352,16 +360,22 @@ def stale_runs(conn: sqlite3.Connection, me: Owner, conversation_id: str | None 
     ]
 
 
+# A stranded run is `interrupted`, unless a cancel was accepted for it before its process died:
+# then it is `cancelled`, as it would have been recorded.
+_RELABEL = f"""
+UPDATE runs SET
+    status = CASE WHEN cancel_requested_at IS NULL THEN 'interrupted' ELSE 'cancelled' END,
+    error_code = CASE WHEN cancel_requested_at IS NULL THEN error_code ELSE '{CANCELLED}' END,
+    error_message = CASE WHEN cancel_requested_at IS NULL THEN error_message ELSE '{CANCELLED_MESSAGE}' END,
+    finished_at = ?
+WHERE status = 'running'"""
+
+
 def relabel_interrupted(conn: sqlite3.Connection, run_ids: list[str]) -> int:
-    """Mark these runs `interrupted` if they are still `running`; how many were."""
+    """Mark these runs `interrupted` (`cancelled` if a cancel was accepted) if they are still
+    `running`; how many were."""
     now = utc_now()
-    return sum(
-        conn.execute(
-            "UPDATE runs SET status = 'interrupted', finished_at = ? WHERE id = ? AND status = 'running'",
-            (now, run_id),
-        ).rowcount
-        for run_id in run_ids
-    )
+    return sum(conn.execute(_RELABEL + " AND id = ?", (now, run_id)).rowcount for run_id in run_ids)
 
 
 def forget_gone_owners(conn: sqlite3.Connection, me: Owner) -> None:
@@ -378,12 +392,9 @@ def forget_gone_owners(conn: sqlite3.Connection, me: Owner) -> None:
 
 
 def recover_interrupted_runs(conn: sqlite3.Connection) -> int:
-    """The original's recovery: relabel every `running` row `interrupted`; how many."""
-    cursor = conn.execute(
-        "UPDATE runs SET status = 'interrupted', finished_at = ? WHERE status = 'running'",
-        (utc_now(),),
-    )
-    return cursor.rowcount
+    """The original's recovery: relabel every `running` row `interrupted` (or `cancelled`, see
+    `_RELABEL`); how many."""
+    return conn.execute(_RELABEL, (utc_now(),)).rowcount
 
 
 class Store:
@@ -640,6 +651,17 @@ class Store:
                 conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
+        return bool(updated)
+
+    def request_cancel(self, run_id: str) -> bool:
+        """Write that the run is to be cancelled, while it is still this owner's and `running`;
+        False (nothing written) when its outcome is recorded already or it is not ours."""
+        mine = "" if self.single_owner else " AND owner_id = ?"
+        [updated] = self._transaction([(
+            "UPDATE runs SET cancel_requested_at = ? WHERE id = ? AND status = 'running'"
+            " AND cancel_requested_at IS NULL" + mine,
+            (utc_now(), run_id, *(() if self.single_owner else (self.owner.id,))),
+        )])
         return bool(updated)
 
     def get_run(self, run_id: str) -> Run | None:

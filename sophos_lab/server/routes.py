@@ -220,6 +220,15 @@ async def list_runs(request: Request) -> Response:
     return JSONResponse({"runs": [run_dto(run) for run in service.list_runs(conversation)]})
 
 
+async def cancel_run(request: Request) -> Response:
+    """`POST /api/conversations/<uuid>/cancel` (kit only): stop the active run now; 200 with its
+    final event once it is recorded (`chat-error` `CANCELLED`, or `end` if it finished first),
+    409 `RUN_NOT_ACTIVE` when nothing runs there, 404 / 400 as the other endpoints."""
+    conversation = conversation_id(request.path_params["conversation"])
+    final = await service_of(request).cancel(conversation)
+    return JSONResponse({"event": final.event, "data": final.data})
+
+
 async def healthz(request: Request) -> Response:
     """Touches nothing: not the database, not the model, not MCP."""
     return JSONResponse({"status": "ok"})
@@ -239,8 +248,8 @@ API = [
     Route("/api/conversations", list_conversations, methods=["GET"]),
     Route("/api/conversations/{conversation}/export", export_conversation, methods=["GET"]),
     Route("/api/conversations/{conversation}/runs", list_runs, methods=["GET"]),
-    # Run control goes here as the runtime gains it (there is no cancel or approval yet), e.g.
-    # POST /api/conversations/{conversation}/runs/{run}/cancel, before the catch-all below.
+    # Run control, before the catch-all below.
+    Route("/api/conversations/{conversation}/cancel", cancel_run, methods=["POST"]),
     # Any other path under a conversation is not a conversation id: the original's 400.
     Route("/api/conversations/{conversation:path}", get_conversation, methods=["GET"]),
     Route("/api/healthz", healthz, methods=["GET"]),

@@ -29,8 +29,9 @@ fetch server refusing a page). A script can give its own regex as
 whose errors read ``Entity with name X not found``. A real model reads the text too.
 
 A control API under ``/_scripted/`` lets a notebook or test read the request
-log and freeze a stream half-way at a named pause point (see
-``ScriptedModelControl``).
+log, freeze a stream half-way at a named pause point, answer the next N chat
+requests with an HTTP error (``fail_next``) or not at all (``hang_next``: no
+headers, until released or the client hangs up) (see ``ScriptedModelControl``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import argparse
 import json
 import re
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
@@ -270,10 +272,42 @@ class ScriptedModelServer(ThreadingHTTPServer):
         self.tag = model if ":" in model else f"{model}:latest"
         self.log = log or RequestLog()
         self.pauses = Holds()
+        self.faults = Faults()
 
     def server_close(self) -> None:
         self.pauses.close()
         super().server_close()
+
+
+HANG = "(hang)"
+"""The hold point of a chat request that `hang_next` makes wait before any answer."""
+
+
+class Faults:
+    """The next chat requests' failures, each used once, in order: HTTP errors, then hangs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._errors: list[tuple[int, str]] = []
+        self._hangs = 0
+
+    def fail(self, n: int, status: int, message: str) -> None:
+        with self._lock:
+            self._errors += [(status, message)] * n
+
+    def hang(self, n: int) -> None:
+        with self._lock:
+            self._hangs += n
+
+    def take(self) -> tuple[int, str] | str | None:
+        """The next request's fault: `(status, message)`, `HANG`, or None."""
+        with self._lock:
+            if self._errors:
+                return self._errors.pop(0)
+            if self._hangs:
+                self._hangs -= 1
+                return HANG
+            return None
 
 
 class _Handler(JsonHandler):
@@ -316,6 +350,19 @@ class _Handler(JsonHandler):
                 self.send_json(400, {"error": 'expected a body like {"pause": "summary"}'})
         elif path == "/_scripted/release":
             self.send_json(200, {"released": self.server.pauses.release()})
+        elif path == "/_scripted/fail_next":
+            n, status = body.get("n"), body.get("status", 500)
+            if type(n) is int and n > 0 and type(status) is int and 400 <= status <= 599:
+                self.server.faults.fail(n, status, str(body.get("message") or f"scripted failure (HTTP {status})"))
+                self.send_json(200, {"failing": n, "status": status})
+            else:
+                self.send_json(400, {"error": 'expected a body like {"n": 2, "status": 500}'})
+        elif path == "/_scripted/hang_next":
+            if type(body.get("n")) is int and body["n"] > 0:
+                self.server.faults.hang(body["n"])
+                self.send_json(200, {"hanging": body["n"]})
+            else:
+                self.send_json(400, {"error": 'expected a body like {"n": 1}'})
         else:
             self._not_found(path)
 
@@ -340,6 +387,17 @@ class _Handler(JsonHandler):
             return
         choice = choose_turn(self.server.scripts, messages)
         entry.update(script=choice.script, turn=choice.index, branch=choice.branch)
+        fault = self.server.faults.take()
+        if fault == HANG:
+            self._record(0, model=model, fault="hang", **entry)  # status 0: never answered
+            self.server.pauses.arm(HANG)
+            self.server.pauses.hold_if_armed(HANG, self.connection)
+            self.close_connection = True  # released or abandoned: either way, no answer
+            return
+        if fault is not None:
+            status, message = fault
+            self._api({"error": message}, status, model=model, fault="error", **entry)
+            return
         turn = choice.turn
         if turn.error:
             status = int(turn.error.get("status", 500))
@@ -423,7 +481,8 @@ class _Handler(JsonHandler):
         }
 
 
-_LOG_FIELDS = ("model", "script", "turn", "branch", "n_messages", "last_role", "status", "tools", "tool_args")
+_LOG_FIELDS = ("model", "script", "turn", "branch", "n_messages", "last_role", "status", "tools", "tool_args",
+               "fault")
 _DETAILS = {
     "parent_model": "",
     "format": "scripted",
@@ -545,6 +604,17 @@ class ScriptedModelControl:
     def release(self) -> int:
         """Let every held stream finish; return how many were held."""
         return call(f"{self.url}/_scripted/release", {})[1]["released"]
+
+    def fail_next(self, n: int = 1, status: int = 500, message: str | None = None) -> None:
+        """Answer the next `n` chat requests with HTTP `status` (a 5xx is what a retry is for)
+        and `{"error": message}`, whatever their script says; logged with `fault: "error"`."""
+        call(f"{self.url}/_scripted/fail_next", {"n": n, "status": status, "message": message})
+
+    def hang_next(self, n: int = 1) -> None:
+        """Never answer the next `n` chat requests: no headers, no tokens, until `release()` or
+        the client hangs up (a time limit's work); logged with `fault: "hang"`, status 0.
+        `wait_paused()` returns `"(hang)"` once one is held."""
+        call(f"{self.url}/_scripted/hang_next", {"n": n})
 
 
 def start_scripted_model(
