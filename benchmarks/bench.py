@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-BENCHMARKS = ("steps", "growth", "listing", "startup")
+BENCHMARKS = ("steps", "growth", "listing", "startup", "sse")
 COLUMNS = ("benchmark", "measure", "kit", "bare LangGraph", "ratio", "unit")
 
 

@@ -484,18 +484,25 @@ class LabServer(LabWorker):
     The server exits when this process goes (its stdin closes).
     """
 
-    def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path) -> None:
+    def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path, port: int = 0) -> None:
         super().__init__(env, cwd, log_path)
         self.url: str | None = None
+        self.requested_port = port
         token = self.env.get("SOPHOS_LAB_TOKEN")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (a new server started with `port=` this one takes its place)."""
+        assert self.url is not None
+        return int(self.url.rsplit(":", 1)[1])
 
     def start(self, timeout: float = 60.0) -> LabServer:
         self.log = EventLog()
         with open(self.log_path, "ab") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sophos_lab.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-                 "--lab-child"],
+                [sys.executable, "-m", "sophos_lab.cli", "serve", "--host", "127.0.0.1",
+                 "--port", str(self.requested_port), "--lab-child"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                 env=self.env, cwd=self.cwd, start_new_session=True, text=True, bufsize=1,
             )

@@ -241,10 +241,11 @@ class Lab:
         self._children.append(child)
         return child.start()
 
-    def server(self, **env: str) -> LabServer:
-        """Start `sophos-lab serve` (the HTTP API) on a free loopback port; `child.url` is its base
-        URL. Same interface as `worker()`, over HTTP and SSE."""
-        child = LabServer(self.env(**env), cwd=self.root, log_path=self._log("server"))
+    def server(self, port: int = 0, **env: str) -> LabServer:
+        """Start `sophos-lab serve` (the HTTP API) on a free loopback port, or on `port` (e.g. a
+        killed server's `port`, so that a browser's page reconnects to its successor); `child.url`
+        is its base URL. Same interface as `worker()`, over HTTP and SSE."""
+        child = LabServer(self.env(**env), cwd=self.root, log_path=self._log("server"), port=port)
         self._children.append(child)
         return child.start()
 

@@ -23,8 +23,9 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from ..runtime import errors
 from ..runtime.errors import SophosError
@@ -36,6 +37,16 @@ from .wire import INTERNAL_ERROR, METHOD_NOT_ALLOWED, error_response, refusal
 
 log = logging.getLogger(__name__)
 
+STATIC = Path(__file__).resolve().parent / "static"
+"""The web page: `index.html`, its script and its style sheet (package data, no build step)."""
+PAGE_HEADERS = {
+    # Defence in depth: the page writes every model and tool text with textContent; even if
+    # some did end up as markup, no inline script or handler would run.
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                               "form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 DEFAULT_PING_SECONDS = 15.0
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -86,9 +97,7 @@ def create_app(settings: Settings, options: ServerOptions | None = None) -> Star
             await service.shutdown()
 
     app = Starlette(
-        # The web page (a static directory at "/") goes after the API routes, e.g.
-        # Mount("/", StaticFiles(directory=..., html=True)): the routes match first.
-        routes=list(API),
+        routes=[*API, Route("/", web_page, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC))],
         middleware=[Middleware(BearerToken, token=options.token)] if options.token else [],
         exception_handlers={SophosError: _refused, HTTPException: _http_error, Exception: _failed},
         lifespan=lifespan,
@@ -96,6 +105,11 @@ def create_app(settings: Settings, options: ServerOptions | None = None) -> Star
     app.state.service = service
     app.state.options = options
     return app
+
+
+async def web_page(request: Request) -> Response:
+    """The page at `/` (the original's UI contract; `static/app.js` says how)."""
+    return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
 
 
 async def _refused(request: Request, error: Exception) -> Response:

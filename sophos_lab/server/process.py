@@ -10,6 +10,7 @@ lifespan's end closes MCP and the database. The caller turns the signal into exi
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -21,6 +22,7 @@ import uvicorn
 from ..runtime.service import AgentService
 from ..runtime.settings import Settings
 from .app import ServerOptions, create_app
+from .auth import RedactToken
 from .sse import DRAIN_MARGIN
 
 Announce = Callable[..., None]
@@ -79,6 +81,7 @@ def run_server(
         app, host=host, port=port, lifespan="on", log_level="info",
         timeout_graceful_shutdown=int(settings.shutdown_timeout + DRAIN_MARGIN),
     )
+    logging.getLogger("uvicorn.access").addFilter(RedactToken())  # the page's ?token= on the SSE stream
     server = DrainingServer(config, app.state.service, announce)
     if exit_with_stdin:
         def exit_with_parent() -> None:
