@@ -194,3 +194,25 @@ def fetched(lab, tmp_path_factory) -> Finished:
 
     run, events = asyncio.run(asyncio.wait_for(chat(), ASYNC_TEST_TIMEOUT))
     return Finished(root / "sophos.db", run.conversation, run.id, events, page, lab.fetches("index.html") - before)
+
+
+# --- the real browser (Debian's Chromium, driven by Playwright; never downloaded) ----------
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+needs_chromium = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (CI installs Debian's chromium in .ci/run)"
+)
+
+
+def last_bullet() -> str:
+    """The last line of the scripted 12-bullet answer, without its "- "."""
+    import json
+
+    script = json.loads((Path(__file__).resolve().parent.parent / "data" / "scripts"
+                         / "10_fetch_and_summarise.json").read_text())
+    answer = next(turn["text"] for turn in script["turns"] if turn.get("pause") == "summary")
+    return answer.splitlines()[-1].removeprefix("- ")

@@ -35,29 +35,16 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import CHROMIUM, CHROMIUM_ARGS, last_bullet, needs_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "06_chat_and_resume.ipynb"
 ARTIFACTS = ROOT / ".lab" / "artifacts"
 DOCS = ROOT / "docs"
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 TIMEOUT_MS = 120_000
 """Playwright's timeout for every wait: the whole notebook (two kernels, MCP servers) runs within it."""
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (CI installs Debian's chromium in .ci/run)"
-)
-
-
-def last_bullet() -> str:
-    """The last line of the scripted 12-bullet answer, without its "- "."""
-    script = json.loads((ROOT / "data" / "scripts" / "10_fetch_and_summarise.json").read_text())
-    answer = next(turn["text"] for turn in script["turns"] if turn.get("pause") == "summary")
-    return answer.splitlines()[-1].removeprefix("- ")
+pytestmark = needs_chromium
 
 
 # --- JupyterLab on loopback ---------------------------------------------------------------

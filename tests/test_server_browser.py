@@ -15,37 +15,23 @@ distribution's Chromium is used; Playwright never downloads a browser here.
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from pathlib import Path
 
 import pytest
+from conftest import CHROMIUM, CHROMIUM_ARGS, last_bullet, needs_chromium
 
 from sophos_lab.lab.inspect import peek_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / ".lab" / "artifacts"
 DOCS = ROOT / "docs"
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 TIMEOUT_MS = 60_000
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 BANNER = "The last run stopped before it finished. Its progress is saved."
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing (CI installs Debian's chromium in .ci/run)"
-)
-
-
-def last_bullet() -> str:
-    """The last line of the scripted 12-bullet answer, without its "- "."""
-    script = json.loads((ROOT / "data" / "scripts" / "10_fetch_and_summarise.json").read_text())
-    answer = next(turn["text"] for turn in script["turns"] if turn.get("pause") == "summary")
-    return answer.splitlines()[-1].removeprefix("- ")
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")
