@@ -163,6 +163,28 @@ def test_detach_stops_following_and_the_run_goes_on(lab, page, db_path):
         expect(page.locator("#transcript .msg.assistant")).to_contain_text("Durable execution is the idea")
 
 
+def test_cancel_stops_the_run_on_the_server_and_offers_resume(lab, page, db_path):
+    from playwright.sync_api import expect
+
+    lab.model.arm("summary")
+    with lab.server(DATABASE_PATH=str(db_path)) as server:
+        page.goto(server.url + "/")
+        send(page, f"Fetch {lab.page('wal.html')} and summarize it in 12 detailed bullet points.")
+        expect(page.locator("#transcript .msg.assistant.live .text")).not_to_be_empty()
+        lab.model.wait_paused()  # half-way through the summary
+        page.get_by_role("button", name="Cancel", exact=True).click()
+
+        error = page.get_by_role("alert")
+        expect(error.locator(".code")).to_have_text("CANCELLED")
+        expect(error).to_contain_text("Cancelled by user")
+        expect(page.locator("#resume-banner")).to_be_visible()  # the summary step is still to do
+        expect(page.get_by_role("button", name="Cancel", exact=True)).to_be_hidden()
+        lab.model.release()
+        runs = list(peek_runs(db_path, only_conversation(server))["status"])
+
+    assert runs == ["cancelled"]
+
+
 def test_a_failed_run_shows_its_error_banner_live_and_after_a_reload(lab, page, db_path):
     from playwright.sync_api import expect
 

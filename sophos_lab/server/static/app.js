@@ -23,7 +23,7 @@ const ui = {
   title: byId("title"), status: byId("status"), exportLink: byId("export"),
   error: byId("error-banner"), resumeBanner: byId("resume-banner"), resume: byId("resume"),
   transcript: byId("transcript"), form: byId("composer"), message: byId("message"),
-  send: byId("send"), detach: byId("detach"),
+  send: byId("send"), detach: byId("detach"), cancel: byId("cancel"),
 };
 
 let conversation = null; // the open conversation's id; null before the first message of a new one
@@ -255,6 +255,7 @@ function setFollowing(following) {
   const hadFocus = document.activeElement === ui.send || document.activeElement === ui.detach;
   ui.send.hidden = following;
   ui.detach.hidden = !following;
+  ui.cancel.hidden = !following;
   ui.resume.disabled = following;
   if (hadFocus) (following ? ui.detach : ui.send).focus();
 }
@@ -332,6 +333,17 @@ ui.detach.addEventListener("click", async () => {
     reportError(error);
   }
   ui.status.textContent = "Detached: the run goes on on the server. Open the conversation again to follow it.";
+});
+
+ui.cancel.addEventListener("click", async () => {
+  // The run's own stream then ends with its final event (chat-error CANCELLED, or end if it
+  // finished first), and finish() reloads the conversation from the database.
+  clearError();
+  try {
+    await api(`api/conversations/${conversation}/cancel`, { method: "POST" });
+  } catch (error) {
+    reportError(error);
+  }
 });
 
 ui.newConversation.addEventListener("click", () => {
