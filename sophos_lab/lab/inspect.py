@@ -21,7 +21,7 @@ import pandas as pd
 from ..runtime.export import checkpoint_record
 from ..runtime.messages import message_dtos, pending_dtos
 from ..runtime.service import parse_conversation_id, thread_config
-from ..runtime.store import read_only, unapplied_input
+from ..runtime.store import has_table, read_only, unapplied_input
 
 RUN_COLUMNS = [
     "id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at",
@@ -34,10 +34,6 @@ CHECKPOINT_COLUMNS = [
 WRITE_COLUMNS = ["checkpoint_id", "step", "task_id", "task_path", "idx", "channel", "value"]
 MESSAGE_COLUMNS = ["role", "content", "name", "status", "tool_calls"]
 LEDGER_COLUMNS = ["id", "to_account", "amount", "idempotency_key", "created_at"]
-
-
-def _has_table(conn: sqlite3.Connection, name: str) -> bool:
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
 
 
 def _plain(frame: pd.DataFrame) -> pd.DataFrame:
@@ -98,7 +94,7 @@ class TextFrame(pd.DataFrame):
 
 def _query(db_path: str | Path, table: str, sql: str, params: tuple, columns: list[str]) -> pd.DataFrame:
     with read_only(db_path) as conn:
-        if conn is None or not _has_table(conn, table):
+        if conn is None or not has_table(conn, table):
             return pd.DataFrame(columns=columns)
         return _plain(pd.read_sql_query(sql, conn, params=params))
 
@@ -138,7 +134,7 @@ def _read_thread(db_path: str | Path, conversation: str, read: Callable[[Any, An
 
     conversation = parse_conversation_id(conversation)
     with read_only(db_path) as conn:
-        if conn is None or not _has_table(conn, "checkpoints"):
+        if conn is None or not has_table(conn, "checkpoints"):
             return None
         saver = SqliteSaver(conn)
         saver.is_setup = True  # the tables exist; setup() would try to write
@@ -214,7 +210,7 @@ def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
         saved.config["configurable"]["checkpoint_id"]: saved.metadata.get("step") for saved in saver.list(config)
     }) or {}
     with read_only(db_path) as conn:
-        if conn is None or not _has_table(conn, "writes"):
+        if conn is None or not has_table(conn, "writes"):
             return pd.DataFrame(columns=WRITE_COLUMNS)
         rows = conn.execute(
             "SELECT checkpoint_id, task_id, task_path, idx, channel, type, value FROM writes"

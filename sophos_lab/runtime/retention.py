@@ -36,7 +36,7 @@ from typing import Any
 
 from .errors import BAD_REQUEST, NOT_FOUND, SESSION_IN_PROGRESS, SophosError
 from .ownership import Owner
-from .store import read_only, relabel_interrupted, stale_runs, utc_now
+from .store import has_table, read_only, relabel_interrupted, stale_runs, utc_now
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,6 @@ class Vacuum:
 # --- reading -----------------------------------------------------------------------------
 
 
-def _has_table(conn: sqlite3.Connection, name: str) -> bool:
-    return conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
-
-
 def _bytes_of_row(conn: sqlite3.Connection, table: str) -> str:
     """An SQL expression for the bytes of one row of `table`: the sum of its values' lengths."""
     columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
@@ -123,7 +118,7 @@ def _bytes_of_row(conn: sqlite3.Connection, table: str) -> str:
 
 
 def _rows_and_bytes(conn: sqlite3.Connection, table: str, where: str, params: tuple) -> tuple[int, int]:
-    if not _has_table(conn, table):
+    if not has_table(conn, table):
         return 0, 0
     count, size = conn.execute(
         f"SELECT count(*), ifnull(sum({_bytes_of_row(conn, table)}), 0) FROM {table} WHERE {where}", params
@@ -134,14 +129,14 @@ def _rows_and_bytes(conn: sqlite3.Connection, table: str, where: str, params: tu
 def conversation_ids(path: str | Path) -> list[str]:
     """Every conversation id in the file, oldest first (read-only)."""
     with read_only(path) as conn:
-        if conn is None or not _has_table(conn, "conversations"):
+        if conn is None or not has_table(conn, "conversations"):
             return []
         return [row[0] for row in conn.execute("SELECT id FROM conversations ORDER BY created_at, rowid")]
 
 
 def require_conversation(conn: sqlite3.Connection | None, conversation_id: str) -> None:
     """Refuse (`NOT_FOUND`) an id that is not a conversation of the file."""
-    if conn is None or not _has_table(conn, "conversations") or conn.execute(
+    if conn is None or not has_table(conn, "conversations") or conn.execute(
         "SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)
     ).fetchone() is None:
         raise SophosError(NOT_FOUND, f"Conversation Not Found: {conversation_id}")
@@ -169,7 +164,7 @@ def recoverable_runs(conn: sqlite3.Connection, conversation_id: str, me: Owner |
         return []
     if me is None:
         gone: set[str] = set()
-    elif _has_table(conn, "owners"):
+    elif has_table(conn, "owners"):
         gone = _stale(conn, me, conversation_id)
     else:
         gone = running  # a version-1 file: no run has an owner, none can still be running
@@ -205,7 +200,7 @@ def delete_conversation(conn: sqlite3.Connection, conversation_id: str, me: Owne
     for table, column in (("writes", "thread_id"), ("checkpoints", "thread_id"), ("prunes", "conversation_id"),
                           ("idempotency_keys", "conversation_id"), ("runs", "conversation_id"),
                           ("conversations", "id")):
-        if _has_table(conn, table):
+        if has_table(conn, table):
             conn.execute(f"DELETE FROM {table} WHERE {column} = ?", (conversation_id,))
     return removal
 
@@ -231,7 +226,7 @@ def plan_prune(reader: sqlite3.Connection | None, conversation_id: str, keep: in
     """
     require_conversation(reader, conversation_id)
     keep = parse_keep(keep)
-    if not _has_table(reader, "checkpoints"):
+    if not has_table(reader, "checkpoints"):
         return PrunePlan(Removal("prune", conversation_id))
     rows = {
         checkpoint_id: (parent, json.loads(metadata) if metadata else {})
@@ -356,7 +351,7 @@ def prune_conversation(conn: sqlite3.Connection, path: str | Path, conversation_
 
 def prune_records(conn: sqlite3.Connection | None, conversation_id: str) -> list[dict[str, Any]]:
     """The prunes of the conversation, oldest first (empty for a file without `prunes`)."""
-    if conn is None or not _has_table(conn, "prunes"):
+    if conn is None or not has_table(conn, "prunes"):
         return []
     cursor = conn.execute(
         "SELECT pruned_at, checkpoints, writes, bytes, first_step, last_step, kept_from FROM prunes"

@@ -83,20 +83,20 @@ class Settings:
             config_dir=_absolute(get("CONFIG_DIR", DEFAULT_CONFIG_DIR)),
             memory_file_path=_absolute(get("MEMORY_FILE_PATH", DEFAULT_MEMORY_FILE_PATH)),
             ollama_think=(env.get("OLLAMA_THINK") or "").strip().lower() == "true",
-            recursion_limit=_positive(env.get("AGENT_RECURSION_LIMIT"), DEFAULT_RECURSION_LIMIT, int),
-            shutdown_timeout=_positive(env.get("SHUTDOWN_TIMEOUT"), DEFAULT_SHUTDOWN_TIMEOUT, float),
+            recursion_limit=positive(env.get("AGENT_RECURSION_LIMIT"), DEFAULT_RECURSION_LIMIT, int),
+            shutdown_timeout=positive(env.get("SHUTDOWN_TIMEOUT"), DEFAULT_SHUTDOWN_TIMEOUT, float),
             naive_shutdown=_flag(env.get("SOPHOS_LAB_NAIVE_SHUTDOWN")),
-            lease_seconds=_positive(env.get("SOPHOS_LAB_LEASE_SECONDS"), DEFAULT_LEASE_SECONDS, float),
+            lease_seconds=positive(env.get("SOPHOS_LAB_LEASE_SECONDS"), DEFAULT_LEASE_SECONDS, float),
             single_owner=_flag(env.get("SOPHOS_LAB_SINGLE_OWNER")),
-            event_buffer=_positive(env.get("SOPHOS_LAB_EVENT_BUFFER"), DEFAULT_EVENT_BUFFER, int),
-            model_attempts=_positive(env.get("SOPHOS_LAB_MODEL_ATTEMPTS"), DEFAULT_MODEL_ATTEMPTS, int),
-            tool_attempts=_positive(env.get("SOPHOS_LAB_TOOL_ATTEMPTS"), DEFAULT_TOOL_ATTEMPTS, int),
-            retry_base_seconds=_positive(env.get("SOPHOS_LAB_RETRY_BASE_SECONDS"), DEFAULT_RETRY_BASE_SECONDS, float),
-            retry_max_seconds=_positive(env.get("SOPHOS_LAB_RETRY_MAX_SECONDS"), DEFAULT_RETRY_MAX_SECONDS, float),
+            event_buffer=positive(env.get("SOPHOS_LAB_EVENT_BUFFER"), DEFAULT_EVENT_BUFFER, int),
+            model_attempts=positive(env.get("SOPHOS_LAB_MODEL_ATTEMPTS"), DEFAULT_MODEL_ATTEMPTS, int),
+            tool_attempts=positive(env.get("SOPHOS_LAB_TOOL_ATTEMPTS"), DEFAULT_TOOL_ATTEMPTS, int),
+            retry_base_seconds=positive(env.get("SOPHOS_LAB_RETRY_BASE_SECONDS"), DEFAULT_RETRY_BASE_SECONDS, float),
+            retry_max_seconds=positive(env.get("SOPHOS_LAB_RETRY_MAX_SECONDS"), DEFAULT_RETRY_MAX_SECONDS, float),
             retry_jitter=_flag(env.get("SOPHOS_LAB_RETRY_JITTER")),
-            model_timeout_seconds=_positive(
+            model_timeout_seconds=positive(
                 env.get("SOPHOS_LAB_MODEL_TIMEOUT_SECONDS"), DEFAULT_MODEL_TIMEOUT_SECONDS, float),
-            tool_timeout_seconds=_positive(
+            tool_timeout_seconds=positive(
                 env.get("SOPHOS_LAB_TOOL_TIMEOUT_SECONDS"), DEFAULT_TOOL_TIMEOUT_SECONDS, float),
         )
 
@@ -126,7 +126,7 @@ def _flag(raw: str | None) -> bool:
     return (raw or "").lower() in ("1", "true", "yes")
 
 
-def _positive(raw: str | None, default: T, kind: Callable[[str], T]) -> T:
+def positive(raw: str | None, default: T, kind: Callable[[str], T]) -> T:
     """The original's rule: unset, empty, unparsable or <= 0 all mean the default."""
     try:
         value = kind(raw or "")

@@ -260,6 +260,10 @@ def schema_version(conn: sqlite3.Connection) -> int:
 
 
 
+def has_table(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+
 @contextlib.contextmanager
 def read_only(path: str | Path) -> Iterator[sqlite3.Connection | None]:
     """A read-only connection to the file (None when it does not exist): it never writes."""
@@ -464,16 +468,8 @@ class Store:
 
     def _transaction(self, statements: list[tuple[str, tuple]]) -> list[int]:
         """Run the statements in one write transaction; their row counts."""
-        conn = self.conn
-        with self._lock:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                counts = [conn.execute(sql, params).rowcount for sql, params in statements]
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return counts
+        with self.transaction() as conn:
+            return [conn.execute(sql, params).rowcount for sql, params in statements]
 
     # ownership
 
@@ -502,14 +498,9 @@ class Store:
         with self._lock:
             if not stale_runs(conn, self.owner, conversation_id):
                 return 0
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with self.transaction():
                 count = relabel_interrupted(conn, stale_runs(conn, self.owner, conversation_id))
                 forget_gone_owners(conn, self.owner)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
             return count
 
     def renew_lease(self, run_ids: list[str]) -> set[str]:
@@ -631,26 +622,19 @@ class Store:
         """
         now = utc_now()
         mine = "" if self.single_owner else " AND status = 'running' AND owner_id = ?"
-        conn = self.conn
-        with self._lock:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                updated = conn.execute(
-                    "UPDATE runs SET status = ?, error_code = ?, error_message = ?, finished_at = ?"
-                    " WHERE id = ?" + mine,
-                    (status, error_code, error_message, now, run_id,
-                     *(() if self.single_owner else (self.owner.id,))),
-                ).rowcount
-                if updated and message_count is not None:
-                    conn.execute(
-                        "UPDATE conversations SET message_count = ?, updated_at = ?"
-                        " WHERE id = (SELECT conversation_id FROM runs WHERE id = ?)",
-                        (message_count, now, run_id),
-                    )
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+        with self.transaction() as conn:
+            updated = conn.execute(
+                "UPDATE runs SET status = ?, error_code = ?, error_message = ?, finished_at = ?"
+                " WHERE id = ?" + mine,
+                (status, error_code, error_message, now, run_id,
+                 *(() if self.single_owner else (self.owner.id,))),
+            ).rowcount
+            if updated and message_count is not None:
+                conn.execute(
+                    "UPDATE conversations SET message_count = ?, updated_at = ?"
+                    " WHERE id = (SELECT conversation_id FROM runs WHERE id = ?)",
+                    (message_count, now, run_id),
+                )
         return bool(updated)
 
     def request_cancel(self, run_id: str) -> bool:

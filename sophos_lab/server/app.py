@@ -30,7 +30,7 @@ from starlette.staticfiles import StaticFiles
 from ..runtime import errors
 from ..runtime.errors import SophosError
 from ..runtime.service import AgentService
-from ..runtime.settings import Settings
+from ..runtime.settings import Settings, positive
 from .auth import BearerToken
 from .routes import API
 from .wire import INTERNAL_ERROR, METHOD_NOT_ALLOWED, error_response, refusal
@@ -70,18 +70,10 @@ class ServerOptions:
         log_dir = env.get("SOPHOS_LAB_LOG_DIR")
         return cls(
             token=env.get("SOPHOS_LAB_TOKEN") or None,
-            ping_seconds=_positive(env.get("SOPHOS_LAB_SSE_PING_SECONDS"), DEFAULT_PING_SECONDS, float),
-            max_body_bytes=_positive(env.get("SOPHOS_LAB_MAX_BODY_BYTES"), DEFAULT_MAX_BODY_BYTES, int),
+            ping_seconds=positive(env.get("SOPHOS_LAB_SSE_PING_SECONDS"), DEFAULT_PING_SECONDS, float),
+            max_body_bytes=positive(env.get("SOPHOS_LAB_MAX_BODY_BYTES"), DEFAULT_MAX_BODY_BYTES, int),
             log_dir=Path(log_dir) if log_dir else None,
         )
-
-
-def _positive(raw: str | None, default, kind):
-    try:
-        value = kind(raw or "")
-    except ValueError:
-        return default
-    return value if value > 0 else default
 
 
 def create_app(settings: Settings, options: ServerOptions | None = None) -> Starlette:
