@@ -23,6 +23,7 @@ COMMITTED = "/ledger-committed"
 @pytest.fixture
 def lab(request, lab_home):
     with Lab.setup(f"tests-idempotency-{request.node.name}", quiet=True, extra_servers=("ledger",)) as lab:
+        lab.without_approvals()  # a crash mid-payment with no gate before it (the gate: test_approval)
         yield lab
 
 

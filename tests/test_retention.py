@@ -26,7 +26,7 @@ from conftest import integrity, roles, statuses
 from sophos_lab.lab.harness import Lab
 from sophos_lab.lab.inspect import checkpoints
 from sophos_lab.runtime.errors import BAD_REQUEST, NOT_FOUND, OWNERSHIP_LOST, SESSION_IN_PROGRESS, SophosError
-from sophos_lab.runtime.store import IdempotencyKey, Store
+from sophos_lab.runtime.store import Store
 
 KIT_ROOT = Path(__file__).resolve().parent.parent
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
@@ -128,16 +128,16 @@ async def test_delete_removes_the_conversation_and_everything_keyed_to_it(lab, o
 
 
 async def test_delete_takes_the_idempotency_keys_of_its_runs_and_the_key_can_start_a_run_again(open_service):
-    key = IdempotencyKey("order-7", '{"message": "hello"}')
+    key = "order-7"
     async with open_service() as agent:
-        run = await agent.chat("hello", idempotency=key)
+        run = await agent.chat("hello", idempotency_key=key)
         await run.wait()
         assert agent.store.keyed_run("order-7").run_id == run.id
 
         await agent.delete_conversation(run.conversation)
 
         assert agent.store.keyed_run("order-7") is None
-        again = await agent.chat("hello", idempotency=key)
+        again = await agent.chat("hello", idempotency_key=key)
         assert (await again.wait()).event == "end"
         assert agent.store.keyed_run("order-7").run_id == again.id
 

@@ -146,22 +146,24 @@ def test_cancel_during_a_payment_does_not_undo_it_and_only_a_keyed_tool_is_safe_
     keyed tool gets the same idempotency key again and pays once; the plain one pays twice."""
     from sophos_lab.lab.harness import Lab
 
-    with Lab.setup("run-control-ledger", quiet=True, extra_servers=("ledger",)) as lab, lab.worker() as child:
-        outcomes = {}
-        for message in ("Pay 30 to Alice, exactly once.", "Pay 30 to Bob."):
-            lab.web.hold("/ledger-committed")
-            child.chat(message)
-            conversation = child.conversation()
-            lab.web.wait_held()
-            final = child.cancel(conversation)
-            paid_when_cancelled = len(lab.ledger())
-            next_after_cancel = lab.state(conversation)["last_checkpoint"]["next"]
-            lab.web.release()
-            child.resume(conversation)
-            resumed = child.wait_final()
-            outcomes[message.split()[3].rstrip(",.")] = (
-                final["data"]["code"], next_after_cancel, paid_when_cancelled, resumed["event"])
-        payments = lab.ledger()
+    with Lab.setup("run-control-ledger", quiet=True, extra_servers=("ledger",)) as lab:
+        lab.without_approvals()
+        with lab.worker() as child:
+            outcomes = {}
+            for message in ("Pay 30 to Alice, exactly once.", "Pay 30 to Bob."):
+                lab.web.hold("/ledger-committed")
+                child.chat(message)
+                conversation = child.conversation()
+                lab.web.wait_held()
+                final = child.cancel(conversation)
+                paid_when_cancelled = len(lab.ledger())
+                next_after_cancel = lab.state(conversation)["last_checkpoint"]["next"]
+                lab.web.release()
+                child.resume(conversation)
+                resumed = child.wait_final()
+                outcomes[message.split()[3].rstrip(",.")] = (
+                    final["data"]["code"], next_after_cancel, paid_when_cancelled, resumed["event"])
+            payments = lab.ledger()
 
     assert outcomes["Alice"] == (CANCELLED, ["tools"], 1, "end")
     assert outcomes["Bob"] == (CANCELLED, ["tools"], 2, "end")

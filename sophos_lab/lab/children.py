@@ -145,6 +145,17 @@ class _Child(abc.ABC):
         self.log.start_command()
         self._send("resume", conversation=conversation)
 
+    def approve(self, conversation: str, decisions: dict[str, Any] | None = None) -> None:
+        """Decide on the gate `conversation` waits at (None: approve every held call); returns at
+        once, and the run that carries the decision on is the latest command's (`wait_final`)."""
+        self.log.start_command()
+        self._send("approve", conversation=conversation, decisions=decisions)
+
+    def reject(self, conversation: str, reason: str | None = None) -> None:
+        """Reject every call held at `conversation`'s gate, with `reason` for the model."""
+        self.log.start_command()
+        self._send("reject", conversation=conversation, reason=reason)
+
     def cancel(self, conversation: str, timeout: float = 60.0) -> dict[str, Any]:
         """Cancel `conversation`'s active run in the child; the run's final event once it is
         recorded (`chat-error` `CANCELLED`, or `end` if the run finished first). A refusal
@@ -409,6 +420,10 @@ class LabKernel(_Child):
             code = "_sophos.conversations();"
         elif cmd == "chat":
             code = f"await _sophos.chat({args['message']!r}, {args['conversation']!r})"
+        elif cmd == "approve":
+            code = f"await _sophos.approve({args['conversation']!r}, {args['decisions']!r})"
+        elif cmd == "reject":
+            code = f"await _sophos.reject({args['conversation']!r}, {args['reason']!r})"
         else:
             code = f"await _sophos.resume({args['conversation']!r})"
         self.kc.execute(code, store_history=False)
@@ -540,9 +555,14 @@ class LabServer(LabWorker):
                 error = response.json().get("error", {})
                 self.log.append({"event": "rejected", "data": {**error, "status": response.status_code, "cmd": cmd}})
             return
-        body = {"resume": True, "conversation": args["conversation"]} if cmd == "resume" else {
-            "message": args["message"], "conversation": args["conversation"]}
-        response = self.request("POST", "/api/chat", json=body)
+        if cmd in ("approve", "reject"):
+            body = {"decisions": args["decisions"]} if cmd == "approve" else {"reason": args["reason"]}
+            path = f"/api/conversations/{args['conversation']}/{cmd}"
+        else:
+            path = "/api/chat"
+            body = {"resume": True, "conversation": args["conversation"]} if cmd == "resume" else {
+                "message": args["message"], "conversation": args["conversation"]}
+        response = self.request("POST", path, json=body)
         if response.status_code != 200:
             error = response.json().get("error", {})
             self.log.append({"event": "rejected", "data": {**error, "status": response.status_code, "cmd": cmd}})

@@ -220,6 +220,11 @@ class Lab:
         if name not in self.extra_servers:
             self.extra_servers.append(name)
 
+    def without_approvals(self) -> None:
+        """Let this lab's tools run without a person's approval: drop every server's `approval`
+        (lesson 07 shows what a side effect does across a crash when nothing stops it first)."""
+        self.edit_mcp_config(lambda config: [entry.pop("approval", None) for entry in config.values()])
+
     def restore_mcp_config(self) -> None:
         """Put the kit's `mcp.json` back in the lab, with the extra servers this lab was given."""
         shutil.copy(KIT_ROOT / "config" / "mcp.json", self.config_dir / "mcp.json")

@@ -20,8 +20,8 @@ from typing import Annotated, Any, TypedDict
 
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
-    AIMessage, AnyMessage, BaseMessage, BaseMessageChunk, RemoveMessage, SystemMessage, convert_to_messages,
-    message_chunk_to_message,
+    AIMessage, AnyMessage, BaseMessage, BaseMessageChunk, RemoveMessage, SystemMessage, ToolMessage,
+    convert_to_messages, message_chunk_to_message,
 )
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
@@ -31,7 +31,7 @@ from langgraph.channels import DeltaChannel
 from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import REMOVE_ALL_MESSAGES
 from langgraph.prebuilt import ToolNode
-from langgraph.types import RetryPolicy, TimeoutPolicy
+from langgraph.types import RetryPolicy, TimeoutPolicy, interrupt
 
 from . import errors
 from .errors import SophosError
@@ -153,6 +153,10 @@ class ModelUnavailable(Exception):
         return errors.MODEL_UNAVAILABLE_DETAIL.format(model=self.model or "?", where=where, reason=self.reason)
 
 
+def no_approvals() -> Callable[[str], bool]:
+    return lambda name: False
+
+
 @dataclass
 class AgentParts:
     """What the nodes resolve each time they run."""
@@ -160,6 +164,28 @@ class AgentParts:
     model: Callable[[], BaseChatModel]
     tools: Callable[[], Awaitable[list[BaseTool]]]
     system_prompt: Callable[[], str]
+    approvals: Callable[[], Callable[[str], bool]] = no_approvals
+    """Which tools need approval (by the name the model calls them), as the config says now."""
+
+
+# --- approval gates --------------------------------------------------------------------------
+
+APPROVE, REJECT = "approve", "reject"
+REJECTED_BY_DEFAULT = "The user rejected this call."
+
+
+def approval_request(calls: list[dict]) -> dict[str, Any]:
+    """What the tools step's `interrupt()` holds: the calls waiting for a decision."""
+    return {"type": "approval", "calls": [{"id": c["id"], "name": c["name"], "args": c["args"]} for c in calls]}
+
+
+def rejected_result(call: dict, decision: dict | None) -> ToolMessage:
+    """The tool result the model reads for a call a person rejected (or never decided on)."""
+    reason = (decision or {}).get("reason") or REJECTED_BY_DEFAULT
+    return ToolMessage(
+        content=f"Not run: the user rejected this tool call. Reason: {reason}",
+        tool_call_id=call["id"], name=call["name"], status="error",
+    )
 
 
 def read_system_prompt(settings: Settings) -> str:
@@ -366,10 +392,21 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver, *, 
         assert parts is not None, "this graph was built for reading only"
         _attempt_begins("tools", runtime)
         thread_id = config["configurable"]["thread_id"]
+        needs_approval = parts.approvals()
+        held = [call for call in state["messages"][-1].tool_calls if needs_approval(call["name"])]
+        # The gate stands before every call of the turn: none runs until all are decided. The
+        # first time, interrupt() stops the run here (the step is not saved, the interrupt
+        # is); the resume runs the step again from the top, and interrupt() returns the
+        # decisions the resume carried.
+        decisions = interrupt(approval_request(held)) if held else {}
+        held_ids = {call["id"] for call in held}
 
         async def keyed(request, execute):
-            return await execute(request.override(
-                tool_call=with_idempotency_key(request.tool_call, request.tool, thread_id)))
+            call = request.tool_call
+            decision = decisions.get(call["id"])
+            if call["id"] in held_ids and (decision or {}).get("decision") != APPROVE:
+                return rejected_result(call, decision)
+            return await execute(request.override(tool_call=with_idempotency_key(call, request.tool, thread_id)))
 
         # One task for all tool calls of a turn: that task is the unit a resume repeats.
         node = ToolNode(await parts.tools(), awrap_tool_call=keyed)

@@ -11,7 +11,12 @@ A step that kept failing with transient errors until its attempts ran out ends w
 the attempts. Requests that are
 refused before a run starts use `BAD_REQUEST`, `NOT_FOUND`, `SESSION_IN_PROGRESS` and
 `RUN_NOT_RESUMABLE`, and `cancel()` with no run active is `RUN_NOT_ACTIVE`; a database the code cannot use raises `SCHEMA_TOO_NEW` or `CONFIG_ERROR`.
-`IDEMPOTENCY_KEY_REUSED`: a key given again with a different request. `REPLAY_GONE`: a follower
+`IDEMPOTENCY_KEY_REUSED`: a key given again with a different request. Approval gates:
+`RUN_WAITING` refuses a resume or a new message while a run waits for approval (approve or
+reject instead), `NO_APPROVAL_PENDING` an approval where nothing waits, `APPROVAL_MISMATCH` a
+decision that does not fit the gate (an unknown or missing tool call id, arguments that
+changed, a decision that is neither approve nor reject), and `GATE_DECIDED` a decision that
+differs from the one a gate already has. `REPLAY_GONE`: a follower
 asked to replay events that the run's bounded buffer no longer keeps (reload the conversation
 and follow again from the events still kept).
 """
@@ -39,6 +44,10 @@ SCHEMA_TOO_NEW = "SCHEMA_TOO_NEW"
 CONFIG_ERROR = "CONFIG_ERROR"
 IDEMPOTENCY_KEY_REUSED = "IDEMPOTENCY_KEY_REUSED"
 REPLAY_GONE = "REPLAY_GONE"
+RUN_WAITING = "RUN_WAITING"
+NO_APPROVAL_PENDING = "NO_APPROVAL_PENDING"
+APPROVAL_MISMATCH = "APPROVAL_MISMATCH"
+GATE_DECIDED = "GATE_DECIDED"
 
 RECURSION_LIMIT_MESSAGE = "The agent reached its step limit (AGENT_RECURSION_LIMIT) without finishing."
 # What a MODEL_UNAVAILABLE run records: the model, the server and Ollama's own words, e.g.

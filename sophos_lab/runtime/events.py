@@ -2,7 +2,8 @@
 
 The names and payloads follow the original system's wire contract:
 `token` (a string), `trace` (`{step, node, name, event, data?}` with event `enter`, `leave`,
-`call` or `result`, and the kit's `retry`; a `call` carries the step and model name of the agent step that asked for it
+`call` or `result`, and the kit's `retry` and `waiting` (the tools step stopped at an approval
+gate: `data: {gate, calls}`, published once the run is recorded `waiting`); a `call` carries the step and model name of the agent step that asked for it
 but `node: "tools"`, the node that will run it, exactly as the original's clients expect), `end` (`{conversation, run, status}`) and `chat-error`
 (`{code, message, conversation, run}`). The kit adds `reasoning` (the model's thinking, kept
 apart from `token` so the stream and the record agree) and `started` (`{conversation, run,
@@ -56,6 +57,10 @@ class StreamTranslator:
     """Turns `astream(stream_mode=["messages", "debug"])` items into `(event, data, step)`."""
 
     model_name: str
+    interrupts: list[dict[str, Any]] = field(default_factory=list)
+    """The interrupts a step stopped at (`{"id", "value"}`): the run is waiting at a gate."""
+    waiting_step: dict[str, Any] | None = None
+    """`{step, node, name}` of the step that stopped at the gate."""
     _open: dict[str, Any] | None = field(default=None)
     _latest_messages: list[Any] | None = field(default=None)
 
@@ -116,6 +121,12 @@ class StreamTranslator:
         return out + [("trace", {**self._open, "event": "enter"}, None)]
 
     def _leave(self, step: int, payload: dict) -> list[Item]:
+        if payload.get("interrupts"):
+            # Stopped at a gate: the step did not finish and is not saved (the interrupt is);
+            # the run reports it, with the calls, once it is recorded `waiting`.
+            self.interrupts = [{"id": i["id"], "value": i["value"]} for i in payload["interrupts"]]
+            self.waiting_step, self._open = {**(self._open or {}), "step": step, "node": payload["name"]}, None
+            return []
         out: list[Item] = []
         result = payload.get("result") or {}
         messages = result.get("messages", []) if isinstance(result, dict) else []

@@ -20,6 +20,7 @@ run writes nothing more (the saver's fence and the outcome's `owner_id` check).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import uuid
@@ -27,13 +28,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from collections.abc import Mapping
+
 from langchain_core.messages import HumanMessage
 from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
+from langgraph.types import Command
 
 from . import errors, retention
 from .agent import (
-    ATTEMPT_WATCH, AgentParts, AttemptWatch, build_graph, chat_model, check_config, classify_failure, read_system_prompt,
+    APPROVE, ATTEMPT_WATCH, REJECT, AgentParts, AttemptWatch, build_graph, chat_model, check_config, classify_failure,
+    read_system_prompt,
 )
 from .checkpointer import NotifyingSaver, is_fenced, shared_lock
 from .errors import SophosError
@@ -43,11 +48,17 @@ from .messages import message_dtos, pending_dtos
 from .ownership import Owner
 from .retention import Removal, Vacuum
 from .settings import Settings
-from .store import PAGE_SIZE, Conversation, ConversationPage, IdempotencyKey, Run, Store, decode_cursor, page_size, unapplied_input
-from .tools import McpTools
+from .store import (
+    PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, Run, Store, decode_cursor, page_size, unapplied_input,
+)
+from .tools import McpTools, approval_rule, mcp_servers
 
 log = logging.getLogger(__name__)
 
+INTERRUPT = "__interrupt__"
+"""The channel of LangGraph's pending writes that holds a step's interrupts."""
+_KEY = re.compile(r"[\x21-\x7e]{1,255}")
+"""An idempotency key: 1 to 255 visible ASCII characters (as the HTTP header allows)."""
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[1-5][0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", re.I)
 
 
@@ -76,6 +87,75 @@ def parse_message(value: object) -> str:
     return value
 
 
+def parse_decisions(value: object) -> dict[str, dict[str, Any]]:
+    """Decisions on a gate's tool calls: `{tool_call_id: "approve" | "reject" | {"decision",
+    "reason"?, "args"?}}`. Returns them as `{id: {"decision", "reason"?, "args"?}}`; anything
+    else is a `BAD_REQUEST` that names what is wrong. (`args`, if given, must be the call's
+    arguments exactly: see `check_decisions`.)"""
+    def bad(why: str) -> SophosError:
+        return SophosError(errors.BAD_REQUEST, f"Invalid decisions: {why}. Nothing was decided.")
+
+    if not isinstance(value, Mapping) or not value:
+        raise bad('give a mapping of tool call ids to "approve" or "reject" (or {"decision", "reason"})')
+    decisions = {}
+    for call_id, decision in value.items():
+        if not isinstance(call_id, str) or not call_id:
+            raise bad(f"the tool call id {call_id!r} is not a non-empty string")
+        if isinstance(decision, str):
+            decision = {"decision": decision}
+        if not isinstance(decision, Mapping):
+            raise bad(f"the decision for {call_id!r} is neither a string nor a mapping")
+        unknown = set(decision) - {"decision", "reason", "args"}
+        if unknown:
+            raise bad(f"the decision for {call_id!r} has unknown keys {sorted(map(str, unknown))}")
+        if decision.get("decision") not in (APPROVE, REJECT):
+            raise bad(f'the decision for {call_id!r} is {decision.get("decision")!r}, not "approve" or "reject"')
+        out = {"decision": decision["decision"]}
+        if decision.get("reason") is not None:
+            out["reason"] = parse_message(decision["reason"]) if isinstance(decision["reason"], str) else None
+            if out["reason"] is None:
+                raise bad(f"the reason for {call_id!r} is not text")
+        if "args" in decision:
+            if not isinstance(decision["args"], Mapping):
+                raise bad(f"the args for {call_id!r} are not a mapping")
+            out["args"] = dict(decision["args"])
+        decisions[call_id] = out
+    return decisions
+
+
+def check_decisions(gate: Gate, decisions: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The decisions as they are recorded (without `args`), if they fit the gate: one for each
+    of its calls, none for another, and `args`, where given, the call's arguments exactly (the
+    person approved what they saw). Otherwise `APPROVAL_MISMATCH`, and nothing is decided."""
+    calls = {call["id"]: call for call in gate.calls}
+    unknown = [call_id for call_id in decisions if call_id not in calls]
+    missing = [call_id for call_id in calls if call_id not in decisions]
+    if unknown or missing:
+        held = ", ".join(f"{call['id']} ({call['name']})" for call in gate.calls)
+        raise SophosError(errors.APPROVAL_MISMATCH, (
+            f"The gate holds the tool calls {held}: decide on each of them, and on no other"
+            + (f"; not held here: {', '.join(unknown)}" if unknown else "")
+            + (f"; no decision for: {', '.join(missing)}" if missing else "") + ". Nothing was decided."))
+    for call_id, decision in decisions.items():
+        if "args" in decision and decision["args"] != calls[call_id]["args"]:
+            raise SophosError(errors.APPROVAL_MISMATCH, (
+                f"The arguments of tool call {call_id} are {calls[call_id]['args']!r}, not "
+                f"{decision['args']!r}: look at the call again before deciding. Nothing was decided."))
+    return {call_id: {k: v for k, v in decision.items() if k != "args"} for call_id, decision in decisions.items()}
+
+
+def every_call(gate: Gate, decision: str, reason: str | None = None) -> dict[str, dict[str, Any]]:
+    """The same decision for each of the gate's calls (e.g. approve them all)."""
+    return {call["id"]: {"decision": decision, **({"reason": reason} if reason else {})} for call in gate.calls}
+
+
+def canonical_request(resume: bool, message: object, conversation: str | None) -> str:
+    """What a request asks for, as a repeat with its idempotency key must ask it again (a
+    resume has no message)."""
+    asked = {"resume": True, "conversation": conversation} if resume else {"message": message, "conversation": conversation}
+    return json.dumps(asked, sort_keys=True, ensure_ascii=True)
+
+
 def thread_config(conversation_id: str) -> dict[str, Any]:
     return {"configurable": {"thread_id": conversation_id}}
 
@@ -88,6 +168,8 @@ class ConversationDetail:
     messages: list[dict[str, Any]]
     next: tuple[str, ...]
     resumable: bool
+    approval: Gate | None = None
+    """The gate the conversation waits at (its latest run is `waiting`), else None."""
 
 
 @dataclass
@@ -116,6 +198,9 @@ class ActiveRun:
     """`cancel()` was accepted: written to the run's row before anything was stopped."""
     in_graph: bool = False
     """The graph is streaming (a cancel then stops it mid-step); False once it has stopped."""
+    replayed: bool = False
+    """Not started by this call: the run a repeated request (idempotency key, approval) started
+    first; it may have finished long ago, and then holds its `started` and final events only."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, name: str, data: Any) -> Event:
@@ -234,13 +319,23 @@ class AgentService:
         state = await graph.aget_state(thread_config(summary.id))
         pending = self._pending_input(summary.id, state.metadata)
         messages = message_dtos(state.values.get("messages", [])) + pending_dtos(pending)
-        busy = summary.id in self.active or summary.status == "running"
+        busy = summary.id in self.active or summary.status in ("running", "waiting")
         return ConversationDetail(
             conversation=summary,
             messages=messages,
             next=tuple(state.next),
             resumable=bool(state.next or pending) and not busy,
+            approval=self.pending_approval(summary.id) if summary.status == "waiting" else None,
         )
+
+    def pending_approval(self, conversation: object) -> Gate | None:
+        """The gate the conversation waits at: its pending tool calls (`calls`: id, name and
+        arguments), or None when its latest run is not `waiting`. Reads the app tables only."""
+        conversation_id = parse_conversation_id(conversation)
+        latest = self.store.latest_run(conversation_id)
+        if latest is None or latest.status != "waiting":
+            return None
+        return self.store.run_gate(latest.id)
 
     async def state_history(self, conversation: str) -> list[Any]:
         """The thread's checkpoints as LangGraph `StateSnapshot`s, oldest first."""
@@ -259,38 +354,208 @@ class AgentService:
     # running
 
     async def chat(
-        self, message: object, conversation: object = None, idempotency: IdempotencyKey | None = None
+        self, message: object, conversation: object = None, idempotency_key: str | IdempotencyKey | None = None,
     ) -> ActiveRun:
         """Start a run with a new user message, in a new conversation unless one is given.
 
-        With `idempotency`, its key is written with the run; a key that started a run already
-        refuses this one with `IDEMPOTENCY_KEY_REUSED` (`store.keyed_run` says which)."""
-        self._check_accepting()
+        With `idempotency_key`, the key is written with the run, in its transaction. The same
+        key again, from any process and after any restart, starts nothing: it returns the run
+        the key started (`replayed=True`; still running here, or holding its recorded outcome),
+        if the request is the same (message and conversation), and is refused with
+        `IDEMPOTENCY_KEY_REUSED` otherwise."""
         text = parse_message(message)
-        if conversation is None:
+        conversation_id = None if conversation is None else parse_conversation_id(conversation)
+        keyed = self._keyed(idempotency_key, canonical_request(False, text, conversation_id))
+        if keyed is not None and (first := self.first_run_of(keyed)) is not None:
+            return first
+        try:
+            return await self._chat(text, conversation_id, keyed)
+        except SophosError:
+            # A request with the same key may have started its run while this one was checked.
+            if keyed is not None and (first := self.first_run_of(keyed)) is not None:
+                return first
+            raise
+
+    async def _chat(self, text: str, conversation_id: str | None, keyed: IdempotencyKey | None) -> ActiveRun:
+        self._check_accepting()
+        if conversation_id is None:
             conversation_id, new = str(uuid.uuid4()), True
         else:
-            conversation_id, new = self._existing(conversation).id, False
+            conversation_id, new = self._existing(conversation_id).id, False
         self._check_idle(conversation_id)
+        if not new:
+            self._check_not_waiting(conversation_id)
         check_config(self.settings)  # a bad mcp.json or system.md is refused with nothing written
         await self._graph_ready()
         # A message accepted earlier that never reached the thread goes first: nothing is dropped.
         carried = [] if new else await self._carried_input(conversation_id)
         messages = [*carried, {"id": str(uuid.uuid4()), "content": text}]
         return await self._launch(conversation_id, messages, resume=False, title=text if new else None,
-                                  idempotency=idempotency)
+                                  idempotency=keyed)
 
-    async def resume(self, conversation: object, idempotency: IdempotencyKey | None = None) -> ActiveRun:
-        """Start a run that continues the thread from its latest checkpoint (`idempotency` as in `chat`)."""
+    def first_run_of(self, keyed: IdempotencyKey) -> ActiveRun | None:
+        """The run an idempotency key started (None if it started none), refused with
+        `IDEMPOTENCY_KEY_REUSED` if that was for another request."""
+        first = self.store.keyed_run(keyed.key)
+        if first is None:
+            return None
+        if first.request != keyed.request:
+            raise SophosError(errors.IDEMPOTENCY_KEY_REUSED, (
+                f"The idempotency key {keyed.key!r} started run {first.run_id} with a different request; "
+                "use a new key for a new request."))
+        return self._run_as_started(first.run_id)
+
+    def _keyed(self, key: str | IdempotencyKey | None, request: str) -> IdempotencyKey | None:
+        if key is None or isinstance(key, IdempotencyKey):
+            return key
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise SophosError(errors.BAD_REQUEST, "An idempotency key must be 1 to 255 visible ASCII characters")
+        return IdempotencyKey(key, request)
+
+    async def resume(self, conversation: object, idempotency_key: str | IdempotencyKey | None = None) -> ActiveRun:
+        """Start a run that continues the thread from its latest checkpoint (`idempotency_key`
+        as in `chat`).
+
+        Refused with `RUN_WAITING` while the run waits at an approval gate (approve or reject
+        instead). A gate decided by a run that stopped before it carried the decision on (a
+        crash, a shutdown) is carried on now, with the recorded decision: nobody is asked again.
+        """
+        conversation_id = parse_conversation_id(conversation)
+        keyed = self._keyed(idempotency_key, canonical_request(True, None, conversation_id))
+        if keyed is not None and (first := self.first_run_of(keyed)) is not None:
+            return first
+        try:
+            return await self._resume(conversation_id, keyed)
+        except SophosError:
+            if keyed is not None and (first := self.first_run_of(keyed)) is not None:
+                return first
+            raise
+
+    async def _resume(self, conversation_id: str, keyed: IdempotencyKey | None) -> ActiveRun:
         self._check_accepting()
-        conversation_id = self._existing(conversation).id
+        conversation_id = self._existing(conversation_id).id
         self._check_idle(conversation_id)
         check_config(self.settings)
-        state = await (await self._graph_ready()).aget_state(thread_config(conversation_id))
+        graph = await self._graph_ready()
+        await self._write(self.store.recover, conversation_id)
+        self._check_not_waiting(conversation_id)
+        state = await graph.aget_state(thread_config(conversation_id))
         pending = self._pending_input(conversation_id, state.metadata)
         if not state.next and not pending:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")
-        return await self._launch(conversation_id, pending, resume=True, idempotency=idempotency)
+        decided = self._decided_gate(conversation_id, state.interrupts)
+        command = None if decided is None else Command(resume={decided.id: decided.decisions})
+        return await self._launch(conversation_id, pending, resume=True, idempotency=keyed, command=command)
+
+    async def approve(self, conversation: object, decisions: object = None) -> ActiveRun:
+        """Decide on the tool calls a waiting run holds at its gate, and carry on: a new run on
+        the thread, which runs the approved calls and gives the model, for each rejected one,
+        a tool result that says so, with the reason.
+
+        `decisions` maps each pending call's id to `"approve"`, `"reject"` or `{"decision",
+        "reason"?, "args"?}` (see `parse_decisions`); None approves every call of the gate
+        (`reject()` rejects every one).
+        The decisions are written, in the transaction that starts the run, before the graph
+        resumes: a crash after that asks nobody again (`resume()` carries them on). The same
+        decisions again are a no-op that returns the run they started (`replayed=True`);
+        different ones are refused (`GATE_DECIDED`). Decisions that do not fit the gate are
+        refused (`APPROVAL_MISMATCH`), and nothing waiting is `NO_APPROVAL_PENDING`.
+        """
+        conversation_id = self._existing(conversation).id
+        if decisions is not None:
+            asked = parse_decisions(decisions)
+        await self._graph_ready()
+        await self._write(self.store.recover, conversation_id)
+        gate = self.pending_approval(conversation_id)
+        if decisions is None:
+            latest = gate or next(iter(reversed(self.store.gates(conversation_id))), None)
+            if latest is None:
+                raise SophosError(errors.NO_APPROVAL_PENDING, f"No run waits for approval on conversation {conversation_id}.")
+            asked = every_call(latest, APPROVE)
+        if gate is None:
+            return self._repeated_approval(conversation_id, asked)
+        recorded = check_decisions(gate, asked)
+        self._check_accepting()
+        self._check_idle(conversation_id)
+        check_config(self.settings)
+        try:
+            return await self._launch(conversation_id, [], resume=True, command=Command(resume={gate.id: recorded}),
+                                      decision=(gate, recorded))
+        except SophosError as error:
+            if error.code != errors.GATE_DECIDED:
+                raise
+            return self._repeated_approval(conversation_id, asked)  # another process decided meanwhile
+
+    async def reject(self, conversation: object, reason: str | None = None) -> ActiveRun:
+        """Reject every call of the gate the conversation waits at, with `reason` for the model
+        (its tool results say the user rejected the call, and why); `approve()` otherwise."""
+        conversation_id = self._existing(conversation).id
+        if reason is not None:
+            reason = parse_message(reason)
+        gate = self.pending_approval(conversation_id) or next(iter(reversed(self.store.gates(conversation_id))), None)
+        if gate is None:
+            raise SophosError(errors.NO_APPROVAL_PENDING, f"No run waits for approval on conversation {conversation_id}.")
+        return await self.approve(conversation_id, every_call(gate, REJECT, reason))
+
+    def _repeated_approval(self, conversation_id: str, asked: dict[str, dict[str, Any]]) -> ActiveRun:
+        """An approval of a gate that is decided already: the run it started, if the decisions
+        are the same; else `GATE_DECIDED`, or `NO_APPROVAL_PENDING` if no gate held these calls."""
+        for gate in reversed(self.store.gates(conversation_id)):
+            if gate.decided and set(gate.decisions) & set(asked):
+                if check_decisions(gate, asked) != gate.decisions:
+                    raise SophosError(errors.GATE_DECIDED, (
+                        f"The gate of run {gate.run_id} was decided already, differently: "
+                        f"{json.dumps(gate.decisions, ensure_ascii=False)} at {gate.decided_at}. A decision "
+                        "cannot be changed; the run it started carried it on."))
+                if gate.decided_run_id is None:
+                    raise SophosError(errors.NO_APPROVAL_PENDING, "The run that carried this decision is gone.")
+                return self._run_as_started(gate.decided_run_id)
+        raise SophosError(errors.NO_APPROVAL_PENDING, f"No run waits for approval on conversation {conversation_id}.")
+
+    def _check_not_waiting(self, conversation_id: str) -> None:
+        gate = self.pending_approval(conversation_id)
+        if gate is not None:
+            names = ", ".join(call["name"] for call in gate.calls)
+            raise SophosError(errors.RUN_WAITING, (
+                f"The run waits for approval of {len(gate.calls)} tool call(s) ({names}): approve or "
+                "reject them (approve()) to carry on."))
+
+    def _decided_gate(self, conversation_id: str, interrupts: Any) -> Gate | None:
+        """The decided gate among the thread's pending interrupts, if any."""
+        for pending in interrupts or ():
+            gate = self.store.gate(conversation_id, pending.id)
+            if gate is not None and gate.decided:
+                return gate
+        return None
+
+    def _run_as_started(self, run_id: str) -> ActiveRun:
+        """A run started earlier, to follow like a new one: itself if it is active here, else
+        its `started` and final events as recorded."""
+        row = self.store.get_run(run_id)
+        active = self.active.get(row.conversation_id) if row else None
+        if active is not None and active.id == run_id:
+            return active
+        if row is None:
+            raise SophosError(errors.NOT_FOUND, f"Run Not Found: {run_id}")
+        if row.status == "running":
+            raise SophosError(errors.SESSION_IN_PROGRESS, (
+                f"Run {run_id} is running in another process: follow it there."))
+        run = ActiveRun(id=row.id, conversation=row.conversation_id, resume=row.input is None, replayed=True)
+        run.publish("started", {"conversation": row.conversation_id, "run": row.id, "resume": run.resume})
+        if row.error_code:
+            run.publish("chat-error", {"code": row.error_code, "message": row.error_message,
+                                       "conversation": row.conversation_id, "run": row.id})
+        else:
+            run.publish("end", self._end_data(row.conversation_id, row.id, row.status,
+                                              self.store.run_gate(row.id) if row.status == "waiting" else None))
+        return run
+
+    @staticmethod
+    def _end_data(conversation_id: str, run_id: str, status: str, gate: Gate | None) -> dict[str, Any]:
+        data = {"conversation": conversation_id, "run": run_id, "status": status}
+        if gate is not None:
+            data["approval"] = {"gate": gate.id, "calls": gate.calls}
+        return data
 
     async def cancel(self, conversation: object) -> Event:
         """Stop the conversation's active run now, mid-step, and record it `cancelled` /
@@ -413,6 +678,7 @@ class AgentService:
             model=lambda: model,
             tools=self.tools.get,
             system_prompt=lambda: read_system_prompt(self.settings),
+            approvals=lambda: approval_rule(mcp_servers(self.settings)),
         )
         self._saver_conn, self._saver, self._graph = conn, saver, build_graph(parts, saver, settings=self.settings)
 
@@ -430,9 +696,18 @@ class AgentService:
         input is in the thread) reads no checkpoint; otherwise only the latest checkpoint's
         metadata is read, not the thread's messages (which would be rebuilt from its writes)."""
         latest = self.store.latest_run(conversation_id)
-        if latest is None or not latest.input or latest.status == "completed":
+        if latest is None or latest.status == "completed":
             return []
         saved = await self._saver.aget_tuple(thread_config(conversation_id))
+        if saved is not None and any(channel == INTERRUPT for _, channel, _ in saved.pending_writes or ()):
+            # The thread stopped at a gate that the latest run did not get past (it stopped
+            # before recording it, or before carrying its decision on): a new message would
+            # leave the held calls unanswered.
+            raise SophosError(errors.RUN_WAITING, (
+                "The thread stopped at an approval gate that its latest run did not get past: "
+                "resume() to carry on (a recorded decision is carried on, else the gate is shown again)."))
+        if not latest.input:
+            return []
         return self._pending_input(conversation_id, saved.metadata if saved else None)
 
     def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
@@ -446,20 +721,25 @@ class AgentService:
 
     async def _launch(
         self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None,
-        idempotency: IdempotencyKey | None = None,
+        idempotency: IdempotencyKey | None = None, command: Command | None = None,
+        decision: tuple[Gate, dict[str, dict]] | None = None,
     ) -> ActiveRun:
+        """Write the run (with its messages, key and gate decision), then publish `started` and
+        run the graph: with the messages, or `command` (a gate's decisions), or from `next`."""
         run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume,
                         keep=self.settings.event_buffer)
 
         def start() -> None:
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
-            self.store.start_run(run.id, conversation_id, messages, title, idempotency)
+            self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision)
             self.active[conversation_id] = run
 
         await self._write(start)
         self._keep_lease()
         run.publish("started", {"conversation": conversation_id, "run": run.id, "resume": resume})
-        graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in messages]} if messages else None
+        graph_input = command
+        if messages:
+            graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in messages]}
         run.task = asyncio.create_task(self._execute(run, self._graph, graph_input))
         return run
 
@@ -526,18 +806,21 @@ class AgentService:
             self._saver.listeners.pop(run.conversation, None)
         for item in translator.finish():
             gate.offer(*item)
+        stopped_at = None  # the approval gate the run stopped at
+        if status == "completed" and translator.interrupts:
+            status, stopped_at = "waiting", self._gate_of(run, translator.interrupts[0])
         # A completed run's last checkpoint is on the stream; after a failure, ask the saver what
         # was actually written.
-        count = translator.message_count if status == "completed" else None
+        count = translator.message_count if status in ("completed", "waiting") else None
         try:
             if count is None:
                 count = await self._message_count(graph, run.conversation)
 
             def record() -> bool:
-                nonlocal status, error
+                nonlocal status, error, stopped_at
                 if run.cancel_requested:  # written before this, under the same lock: it wins
-                    status, error = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE)
-                recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)))
+                    status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
+                recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at)
                 run.recorded = True
                 return recorded
 
@@ -561,8 +844,17 @@ class AgentService:
                 "code": error[0], "message": error[1], "conversation": run.conversation, "run": run.id,
             })
         else:
-            run.publish("end", {"conversation": run.conversation, "run": run.id, "status": status})
+            if stopped_at is not None:
+                run.publish("trace", {**(translator.waiting_step or {}), "event": "waiting",
+                                      "data": {"gate": stopped_at.id, "calls": stopped_at.calls}})
+            run.publish("end", self._end_data(run.conversation, run.id, status, stopped_at))
         self.active.pop(run.conversation, None)
+
+    @staticmethod
+    def _gate_of(run: ActiveRun, interrupt: dict[str, Any]) -> Gate:
+        value = interrupt["value"] if isinstance(interrupt["value"], dict) else {}
+        return Gate(id=interrupt["id"], conversation_id=run.conversation, run_id=run.id,
+                    calls=value.get("calls", []), created_at="")
 
     async def _message_count(self, graph: Any, conversation_id: str) -> int | None:
         try:

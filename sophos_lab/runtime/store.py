@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import BAD_REQUEST, CANCELLED, CANCELLED_MESSAGE, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
+from .errors import BAD_REQUEST, CANCELLED, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
 from .ownership import Owner, owner_gone
 
-RUN_STATUSES = ("running", "interrupted", "completed", "failed", "cancelled")
+RUN_STATUSES = ("running", "interrupted", "completed", "failed", "cancelled", "waiting")
 
 MIGRATIONS: tuple[str, ...] = (
     # v1: the original's two tables, plus a partial unique index that lets the database itself
@@ -122,6 +122,48 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE runs ADD COLUMN cancel_requested_at TEXT;
     """,
+    # v7: approval gates. A run that stops before tool calls that need a person's approval is
+    # `waiting` (a CHECK can only change by rebuilding the table, as SQLite documents; the
+    # migration runs with foreign keys off, so the rebuild cascades into nothing). `gates` holds
+    # each gate: the calls it holds back and, once decided, the decisions and the run that
+    # carries them on, written in the transaction that starts that run.
+    """
+    CREATE TABLE runs_v7 (
+        id TEXT PRIMARY KEY,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        status TEXT NOT NULL
+            CHECK (status IN ('running', 'interrupted', 'completed', 'failed', 'cancelled', 'waiting')),
+        error_code TEXT,
+        error_message TEXT,
+        started_at TEXT NOT NULL,
+        finished_at TEXT,
+        owner_id TEXT,
+        input TEXT,
+        cancel_requested_at TEXT
+    );
+    INSERT INTO runs_v7 (rowid, id, conversation_id, status, error_code, error_message, started_at,
+                         finished_at, owner_id, input, cancel_requested_at)
+        SELECT rowid, id, conversation_id, status, error_code, error_message, started_at,
+               finished_at, owner_id, input, cancel_requested_at FROM runs;
+    DROP TABLE runs;
+    ALTER TABLE runs_v7 RENAME TO runs;
+    CREATE INDEX runs_by_conversation ON runs (conversation_id);
+    CREATE UNIQUE INDEX one_running_run_per_conversation ON runs (conversation_id)
+        WHERE status = 'running';
+    CREATE TABLE gates (
+        id TEXT NOT NULL,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        run_id TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+        calls TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        decisions TEXT,
+        decided_at TEXT,
+        decided_run_id TEXT REFERENCES runs(id) ON DELETE SET NULL,
+        PRIMARY KEY (conversation_id, id)
+    );
+    CREATE INDEX gates_by_run ON gates (run_id);
+    CREATE INDEX gates_by_decided_run ON gates (decided_run_id);
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 BUSY_TIMEOUT_MS = 5000
@@ -211,6 +253,40 @@ class Run:
     """The user's messages this run adds to the thread, as JSON `[{"id", "content"}]`."""
     cancel_requested_at: str | None = None
     """When `cancel()` was accepted for this run (None: never asked to stop)."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """An approval gate: tool calls held back until a person decides on each (see `approve`)."""
+
+    id: str
+    """LangGraph's id of the interrupt that holds the calls."""
+    conversation_id: str
+    run_id: str
+    """The run that stopped at the gate (`waiting` until a decision starts the next one)."""
+    calls: list[dict]
+    """The calls held back, `[{"id", "name", "args"}]`, as the model made them."""
+    created_at: str
+    decisions: dict[str, dict] | None = None
+    """Per tool call id `{"decision": "approve" | "reject", "reason"?}`; None while undecided."""
+    decided_at: str | None = None
+    decided_run_id: str | None = None
+    """The run that carried the decisions into the thread."""
+
+    @property
+    def decided(self) -> bool:
+        return self.decisions is not None
+
+    def to_dict(self) -> dict:
+        return {"gate": self.id, "run": self.run_id, "calls": self.calls, "created_at": self.created_at,
+                "decisions": self.decisions, "decided_at": self.decided_at, "decided_run": self.decided_run_id}
+
+
+def _gate(row: sqlite3.Row) -> Gate:
+    values = dict(row)
+    values["calls"] = json.loads(values["calls"])
+    values["decisions"] = None if values["decisions"] is None else json.loads(values["decisions"])
+    return Gate(**values)
 
 
 @dataclass(frozen=True)
@@ -308,6 +384,9 @@ def migrate(conn: sqlite3.Connection) -> None:
                 if statement.strip():
                     conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {number}")
+        broken = conn.execute("PRAGMA foreign_key_check").fetchall()
+        if broken:
+            raise sqlite3.IntegrityError(f"the migration would break {len(broken)} references: {broken[:3]}")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
@@ -336,9 +415,9 @@ def connect(path: Path) -> sqlite3.Connection:
         # saves an fsync per commit (3 ms here); only a power loss can lose the last run rows,
         # and the checkpoints, written by the saver's own connection, keep SQLite's FULL.
         conn.execute("PRAGMA synchronous = NORMAL")
-        conn.execute("PRAGMA foreign_keys = ON")
         if version < SCHEMA_VERSION:
-            migrate(conn)
+            migrate(conn)  # with foreign keys off (a new connection's default): see v7
+        conn.execute("PRAGMA foreign_keys = ON")
     except BaseException:
         conn.close()
         raise
@@ -564,14 +643,16 @@ class Store:
         input_messages: list[dict[str, str]] | None = None,
         title: str | None = None,
         idempotency: IdempotencyKey | None = None,
+        decision: tuple[Gate, dict[str, dict]] | None = None,
     ) -> None:
         """Start a run, in one transaction: the conversation (when `title` is given, it is new),
-        this owner's lease, the `running` row with the messages it carries, `updated_at`, and
-        the request's idempotency key if it has one.
+        this owner's lease, the `running` row with the messages it carries, `updated_at`, the
+        request's idempotency key if it has one, and the decisions on a gate if it carries some.
 
         A `running` run of a live owner on the conversation makes the database refuse the row
         (`SESSION_IN_PROGRESS`); one of a gone owner is relabelled `interrupted` first. A key
-        already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`): see `keyed_run`.
+        already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`): see `keyed_run`. A
+        gate decided meanwhile (by another process) refuses it too (`GATE_DECIDED`).
         """
         self.recover(conversation_id)
         now = utc_now()
@@ -598,7 +679,18 @@ class Store:
                 (idempotency.key, idempotency.request, conversation_id, run_id, now),
             ))
         try:
-            self._transaction(statements)
+            with self.transaction() as conn:
+                for sql, params in statements:
+                    conn.execute(sql, params)
+                if decision is not None:
+                    gate, decisions = decision
+                    decided = conn.execute(
+                        "UPDATE gates SET decisions = ?, decided_at = ?, decided_run_id = ?"
+                        " WHERE conversation_id = ? AND id = ? AND decisions IS NULL",
+                        (json.dumps(decisions, ensure_ascii=False), now, run_id, gate.conversation_id, gate.id),
+                    ).rowcount
+                    if not decided:
+                        raise SophosError(GATE_DECIDED, f"The gate {gate.id} was decided already")
         except sqlite3.IntegrityError as error:
             if "idempotency_keys.key" in str(error):
                 raise SophosError(IDEMPOTENCY_KEY_REUSED,
@@ -614,8 +706,10 @@ class Store:
         message_count: int | None,
         error_code: str | None = None,
         error_message: str | None = None,
+        gate: Gate | None = None,
     ) -> bool:
-        """Record a run's outcome and the conversation's message count, in one transaction.
+        """Record a run's outcome and the conversation's message count, in one transaction;
+        with `gate` (a `waiting` run), the gate it stopped at, in the same one.
 
         Only while the run is still this owner's and `running`: returns False, writing nothing,
         when another process has taken it over (fencing).
@@ -635,7 +729,28 @@ class Store:
                     " WHERE id = (SELECT conversation_id FROM runs WHERE id = ?)",
                     (message_count, now, run_id),
                 )
+            if updated and gate is not None:
+                conn.execute(
+                    "INSERT INTO gates (id, conversation_id, run_id, calls, created_at) VALUES (?, ?, ?, ?, ?)"
+                    " ON CONFLICT (conversation_id, id) DO UPDATE SET run_id = excluded.run_id",
+                    (gate.id, gate.conversation_id, run_id, json.dumps(gate.calls, ensure_ascii=False), now),
+                )
         return bool(updated)
+
+    def gate(self, conversation_id: str, gate_id: str) -> Gate | None:
+        row = self.conn.execute("SELECT * FROM gates WHERE conversation_id = ? AND id = ?",
+                                (conversation_id, gate_id)).fetchone()
+        return _gate(row) if row else None
+
+    def gates(self, conversation_id: str) -> list[Gate]:
+        """The conversation's gates, oldest first."""
+        rows = self.conn.execute("SELECT * FROM gates WHERE conversation_id = ? ORDER BY rowid", (conversation_id,))
+        return [_gate(row) for row in rows]
+
+    def run_gate(self, run_id: str) -> Gate | None:
+        """The gate a run stopped at, if it did."""
+        row = self.conn.execute("SELECT * FROM gates WHERE run_id = ? ORDER BY rowid DESC LIMIT 1", (run_id,)).fetchone()
+        return _gate(row) if row else None
 
     def request_cancel(self, run_id: str) -> bool:
         """Write that the run is to be cancelled, while it is still this owner's and `running`;

@@ -1,5 +1,10 @@
 """MCP tools: the `mcp.json` configuration and discovery over persistent sessions.
 
+A server's entry may say that its tools need a person's approval before they run:
+`"approval": true` (all of them) or `"approval": ["record_payment", ...]` (those, by the
+server's own tool names). The tools step then stops at a gate before any call of the turn runs
+(see `agent` and `AgentService.approve`).
+
 Tools are discovered when a graph node first needs them, never when state is read. Each server
 keeps one session for the life of the process (a new session per call would start a new server
 process per call). A failed discovery closes whatever it started, and the next run tries again
@@ -14,7 +19,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -42,10 +47,27 @@ class ServerConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str | None = None
     url: str | None = None
+    approval: bool | tuple[str, ...] = False
+    """Which of its tools need approval: all (True), none (False) or these (by their MCP names)."""
 
     @property
     def transport(self) -> str:
         return "stdio" if self.command else "http"
+
+    def needs_approval(self, tool: str) -> bool:
+        """Whether the server's tool `tool` (its MCP name) needs approval."""
+        return self.approval is True or (isinstance(self.approval, tuple) and tool in self.approval)
+
+
+def approval_rule(servers: list[ServerConfig]) -> Callable[[str], bool]:
+    """Whether a tool, by the name the model calls it (`<server>__<tool>`), needs approval."""
+    by_name = {server.name: server for server in servers}
+
+    def needs_approval(name: str) -> bool:
+        server, _, tool = name.partition("__")
+        return server in by_name and by_name[server].needs_approval(tool)
+
+    return needs_approval
 
 
 class ToolsUnavailable(Exception):
@@ -157,13 +179,18 @@ def _server_config(path: Path, name: str, entry: dict, variables: Mapping[str, s
 
     if not _SERVER_NAME.fullmatch(name):
         raise bad("names may use letters, digits and '-' only")
-    unknown = set(entry) - {"command", "args", "env", "cwd", "url", "transport"}
+    unknown = set(entry) - {"command", "args", "env", "cwd", "url", "transport", "approval"}
     if unknown:
         raise bad(f"unknown keys {sorted(unknown)}")
     if ("command" in entry) == ("url" in entry):
         raise bad("give exactly one of 'command' (stdio) or 'url' (streamable HTTP)")
+    approval = entry.get("approval", False)
+    if isinstance(approval, list) and all(isinstance(tool, str) and tool for tool in approval):
+        approval = tuple(approval)
+    elif not isinstance(approval, bool):
+        raise bad("approval must be true, false or a list of the server's tool names")
     if "url" in entry:
-        return ServerConfig(name=name, url=expand(entry["url"], "url", required=True))
+        return ServerConfig(name=name, url=expand(entry["url"], "url", required=True), approval=approval)
     args = entry.get("args", [])
     env = entry.get("env", {})
     if not isinstance(args, list):
@@ -176,6 +203,7 @@ def _server_config(path: Path, name: str, entry: dict, variables: Mapping[str, s
         args=tuple(expand(arg, "args") for arg in args),
         env={env_name(key): expand(value, f"env.{key}") for key, value in env.items()},
         cwd=expand(entry["cwd"], "cwd", required=True) if "cwd" in entry else None,
+        approval=approval,
     )
 
 

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from ..runtime import errors
 from ..runtime.agent import check_model_async
 from ..runtime.errors import SophosError
-from ..runtime.service import AgentService, parse_conversation_id
+from ..runtime.service import AgentService, canonical_request, parse_conversation_id
 from ..runtime.store import PAGE_SIZE, IdempotencyKey
 from . import sse
 from .wire import (
@@ -70,12 +70,6 @@ def idempotency_key(request: Request) -> str | None:
     return key
 
 
-def canonical_request(resume: bool, message: object, conversation: str | None) -> str:
-    """What a request asks for, as a key's repeat must ask it again (a resume ignores `message`)."""
-    asked = {"resume": True, "conversation": conversation} if resume else {"message": message, "conversation": conversation}
-    return json.dumps(asked, sort_keys=True, ensure_ascii=True)
-
-
 def repeat_of(service: AgentService, keyed: IdempotencyKey) -> JSONResponse | None:
     """The first answer to a key that started a run already; None if it started none."""
     first = service.store.keyed_run(keyed.key)
@@ -125,7 +119,7 @@ async def start_chat(request: Request) -> Response:
         if keyed is not None and (first := repeat_of(service, keyed)) is not None:
             return first
         raise
-    return JSONResponse({"conversation": run.conversation, "run": run.id})
+    return started_response(run)
 
 
 async def follow_chat(request: Request) -> Response:
@@ -229,6 +223,39 @@ async def cancel_run(request: Request) -> Response:
     return JSONResponse({"event": final.event, "data": final.data})
 
 
+async def approve_run(request: Request) -> Response:
+    """`POST /api/conversations/<uuid>/approve` (kit only), body `{"decisions": {tool_call_id:
+    "approve" | "reject" | {"decision", "reason"?, "args"?}}}`, or `{}` to approve every held
+    call: the decisions are recorded and a run carries them on; 200 `{conversation, run}`, then
+    follow it with `GET /api/chat`. The same decisions again answer with the run they started
+    (`Idempotent-Replayed: true`); 409 `NO_APPROVAL_PENDING` / `GATE_DECIDED`, 422
+    `APPROVAL_MISMATCH`."""
+    conversation = conversation_id(request.path_params["conversation"])
+    body = await json_object(request, request.app.state.options.max_body_bytes)
+    unknown = set(body) - {"decisions"}
+    if unknown:
+        raise SophosError(errors.BAD_REQUEST, f"Unknown fields {sorted(unknown)}: give {{\"decisions\": {{...}}}} or {{}}")
+    run = await service_of(request).approve(conversation, body.get("decisions"))
+    return started_response(run)
+
+
+async def reject_run(request: Request) -> Response:
+    """`POST /api/conversations/<uuid>/reject` (kit only), body `{"reason"?}`: reject every held
+    call; answers as `approve`."""
+    conversation = conversation_id(request.path_params["conversation"])
+    body = await json_object(request, request.app.state.options.max_body_bytes)
+    unknown = set(body) - {"reason"}
+    if unknown:
+        raise SophosError(errors.BAD_REQUEST, f"Unknown fields {sorted(unknown)}: give {{\"reason\": \"...\"}} or {{}}")
+    run = await service_of(request).reject(conversation, body.get("reason"))
+    return started_response(run)
+
+
+def started_response(run) -> JSONResponse:
+    return JSONResponse({"conversation": run.conversation, "run": run.id},
+                        headers={"Idempotent-Replayed": "true"} if run.replayed else None)
+
+
 async def healthz(request: Request) -> Response:
     """Touches nothing: not the database, not the model, not MCP."""
     return JSONResponse({"status": "ok"})
@@ -250,6 +277,8 @@ API = [
     Route("/api/conversations/{conversation}/runs", list_runs, methods=["GET"]),
     # Run control, before the catch-all below.
     Route("/api/conversations/{conversation}/cancel", cancel_run, methods=["POST"]),
+    Route("/api/conversations/{conversation}/approve", approve_run, methods=["POST"]),
+    Route("/api/conversations/{conversation}/reject", reject_run, methods=["POST"]),
     # Any other path under a conversation is not a conversation id: the original's 400.
     Route("/api/conversations/{conversation:path}", get_conversation, methods=["GET"]),
     Route("/api/healthz", healthz, methods=["GET"]),

@@ -34,6 +34,10 @@ STATUS = {
     errors.SESSION_IN_PROGRESS: 409,
     errors.RUN_NOT_RESUMABLE: 409,
     errors.RUN_NOT_ACTIVE: 409,
+    errors.RUN_WAITING: 409,
+    errors.NO_APPROVAL_PENDING: 409,
+    errors.GATE_DECIDED: 409,
+    errors.APPROVAL_MISMATCH: 422,
     PAYLOAD_TOO_LARGE: 413,
     errors.IDEMPOTENCY_KEY_REUSED: 422,
     errors.SHUTDOWN: 503,
@@ -89,6 +93,9 @@ def conversation_detail(detail: ConversationDetail) -> dict[str, Any]:
         "messages": detail.messages,
         "resumable": detail.resumable,
         "next": list(detail.next),
+        "approval": None if detail.approval is None else {
+            "gate": detail.approval.id, "run": detail.approval.run_id, "calls": detail.approval.calls,
+            "createdAt": detail.approval.created_at},
     }
 
 

@@ -1,0 +1,288 @@
+"""Approval gates: a tool call that needs a person's approval waits for it, durably.
+
+The ledger's payment tools need approval (`config/extras/ledger.json`). A run that meets one
+stops before any call of its turn runs, is recorded `waiting` with the calls it holds, and goes on
+only with a decision: approved calls run, rejected ones give the model a tool result that says
+so. The decision is written before the graph resumes, so no kill can make anyone decide twice,
+and no second approval can pay twice.
+"""
+
+import json
+
+import pytest
+
+from sophos_lab.lab.harness import Lab
+from sophos_lab.runtime.errors import (
+    APPROVAL_MISMATCH, BAD_REQUEST, CONFIG_ERROR, GATE_DECIDED, NO_APPROVAL_PENDING, RUN_NOT_ACTIVE, RUN_WAITING,
+    SophosError,
+)
+from sophos_lab.runtime.service import AgentService
+from sophos_lab.runtime.tools import load_mcp_config
+
+PAY = "Please pay 30 to alice."
+PAY_ONCE = "Pay 30 to alice, exactly once."
+COMMITTED = "/ledger-committed"
+
+
+@pytest.fixture
+def ledger_lab(request, lab_home):
+    with Lab.setup(f"tests-approval-{request.node.name}", quiet=True, extra_servers=("ledger",)) as lab:
+        yield lab
+
+
+@pytest.fixture
+def open_agent(ledger_lab):
+    """`async with open_agent() as agent:` a fresh `AgentService` (a new process's view) on the lab."""
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def open_():
+        agent = AgentService(ledger_lab.settings(), log_dir=ledger_lab.root / "logs")
+        try:
+            yield agent
+        finally:
+            await agent.aclose()
+
+    return open_
+
+
+async def until_gate(agent, message=PAY):
+    run = await agent.chat(message)
+    events = [event async for event in run.events()]
+    return run.conversation, events
+
+
+def payments(lab) -> list[tuple[str, int]]:
+    return [tuple(row) for row in lab.ledger()[["to_account", "amount"]].itertuples(index=False)]
+
+
+def tool_results(detail) -> list[dict]:
+    return [m for m in detail.messages if m["role"] == "tool"]
+
+
+# --- the gate ------------------------------------------------------------------------------
+
+
+async def test_a_call_that_needs_approval_waits_with_nothing_run_and_says_so(ledger_lab, open_agent):
+    async with open_agent() as agent:
+        conversation, events = await until_gate(agent)
+        gate = agent.pending_approval(conversation)
+        detail = await agent.get_conversation(conversation)
+        [run] = agent.list_runs(conversation)
+
+    final, waiting = events[-1], events[-2]
+    [call] = gate.calls
+    assert (call["name"], call["args"]) == ("ledger__record_payment", {"to": "alice", "amount": 30})
+    assert final.event == "end" and final.data["status"] == "waiting"
+    assert final.data["approval"] == {"gate": gate.id, "calls": gate.calls}
+    assert (waiting.data["event"], waiting.data["node"], waiting.data["data"]["calls"]) == ("waiting", "tools", gate.calls)
+    assert (run.status, run.error_code, detail.conversation.status) == ("waiting", None, "waiting")
+    assert (detail.next, detail.resumable, detail.approval) == (("tools",), False, gate)
+    assert payments(ledger_lab) == []  # nothing ran before the decision
+    assert not gate.decided
+
+
+async def test_an_approval_runs_the_call_once_and_the_same_approval_again_is_a_no_op(ledger_lab, open_agent):
+    async with open_agent() as agent:
+        conversation, _ = await until_gate(agent)
+        [call] = agent.pending_approval(conversation).calls
+        approved = await agent.approve(conversation, {call["id"]: "approve"})
+        final = await approved.wait()
+        again = await agent.approve(conversation, {call["id"]: "approve"})
+        all_again = await agent.approve(conversation)  # "approve every call": the same decision
+        with pytest.raises(SophosError) as changed:
+            await agent.reject(conversation, "I changed my mind")
+        [gate] = agent.store.gates(conversation)
+        runs = agent.list_runs(conversation)
+
+    assert final.event == "end" and final.data["status"] == "completed"
+    assert payments(ledger_lab) == [("alice", 30)]
+    assert (again.replayed, again.id, (await again.wait()).data["status"]) == (True, approved.id, "completed")
+    assert (all_again.replayed, all_again.id) == (True, approved.id)
+    assert changed.value.code == GATE_DECIDED and '"approve"' in changed.value.message
+    assert (gate.decisions, gate.decided_run_id) == ({call["id"]: {"decision": "approve"}}, approved.id)
+    assert [r.status for r in runs] == ["waiting", "completed"]
+
+
+async def test_a_rejection_gives_the_model_the_reason_as_the_tool_result_and_runs_nothing(ledger_lab, open_agent):
+    async with open_agent() as agent:
+        conversation, _ = await until_gate(agent)
+        final = await (await agent.reject(conversation, "Alice was paid yesterday.")).wait()
+        detail = await agent.get_conversation(conversation)
+
+    [result] = tool_results(detail)
+    assert final.data["status"] == "completed"
+    assert payments(ledger_lab) == []
+    assert "rejected" in result["content"] and "Alice was paid yesterday." in result["content"]
+    assert detail.messages[-1]["role"] == "assistant"  # the model read the rejection and answered
+
+
+async def test_decisions_that_do_not_fit_the_gate_are_refused_and_decide_nothing(ledger_lab, open_agent):
+    async with open_agent() as agent:
+        conversation, _ = await until_gate(agent)
+        [call] = agent.pending_approval(conversation).calls
+        refusals = {}
+        for label, decisions in {
+            "unknown id": {call["id"]: "approve", "call-that-is-not-there": "approve"},
+            "only another id": {"call-that-is-not-there": "approve"},
+            "changed args": {call["id"]: {"decision": "approve", "args": {"to": "mallory", "amount": 30}}},
+            "not a decision": {call["id"]: "maybe"},
+            "empty": {},
+            "not a mapping": ["approve"],
+            "unknown key": {call["id"]: {"decision": "approve", "amount": 1}},
+            "bad reason": {call["id"]: {"decision": "reject", "reason": 42}},
+        }.items():
+            with pytest.raises(SophosError) as refused:
+                await agent.approve(conversation, decisions)
+            refusals[label] = refused.value.code
+        same_args = await agent.approve(conversation, {call["id"]: {"decision": "approve", "args": call["args"]}})
+        await same_args.wait()
+
+    assert refusals == {
+        "unknown id": APPROVAL_MISMATCH, "only another id": APPROVAL_MISMATCH, "changed args": APPROVAL_MISMATCH,
+        "not a decision": BAD_REQUEST, "empty": BAD_REQUEST, "not a mapping": BAD_REQUEST,
+        "unknown key": BAD_REQUEST, "bad reason": BAD_REQUEST,
+    }
+    assert payments(ledger_lab) == [("alice", 30)]  # the refusals decided nothing; the fitting one paid
+
+
+async def test_resume_and_new_messages_are_refused_while_waiting_and_approval_without_a_gate(ledger_lab, open_agent):
+    async with open_agent() as agent:
+        conversation, _ = await until_gate(agent)
+        refused = {}
+        for label, attempt in {
+            "resume": lambda: agent.resume(conversation),
+            "new message": lambda: agent.chat("Never mind.", conversation),
+            "cancel": lambda: agent.cancel(conversation),
+        }.items():
+            with pytest.raises(SophosError) as error:
+                await attempt()
+            refused[label] = (error.value.code, error.value.message)
+        plain = await agent.ask("Hello there")
+        with pytest.raises(SophosError) as nothing_waits:
+            await agent.approve(plain.data["conversation"])
+        runs = agent.list_runs(conversation)
+
+    assert refused["resume"][0] == refused["new message"][0] == RUN_WAITING
+    assert "approve" in refused["resume"][1] and "ledger__record_payment" in refused["resume"][1]
+    assert refused["cancel"][0] == RUN_NOT_ACTIVE
+    assert nothing_waits.value.code == NO_APPROVAL_PENDING
+    assert [r.status for r in runs] == ["waiting"]  # the refusals wrote nothing
+
+
+def test_approval_rules_come_from_mcp_json_per_server_or_per_tool(tmp_path):
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps({
+        "bank": {"command": "bank", "approval": True},
+        "memory": {"command": "mem", "approval": ["delete_entities"]},
+        "fetch": {"command": "fetch"},
+    }))
+    servers = {server.name: server for server in load_mcp_config(config, {})}
+    assert servers["bank"].needs_approval("anything")
+    assert servers["memory"].needs_approval("delete_entities") and not servers["memory"].needs_approval("read_graph")
+    assert not servers["fetch"].needs_approval("fetch")
+    for bad in ("yes", ["delete_entities", 3], [""], {"tools": []}):
+        config.write_text(json.dumps({"memory": {"command": "mem", "approval": bad}}))
+        with pytest.raises(SophosError) as error:
+            load_mcp_config(config, {})
+        assert error.value.code == CONFIG_ERROR and "approval" in error.value.message
+
+
+# --- across processes and kills ------------------------------------------------------------
+
+
+def test_the_gate_survives_kill_9_and_an_approval_in_a_new_process_finishes_the_run(ledger_lab):
+    """The engine's two-minute durability test: pause at a gate, kill the process outright,
+    start a new one, approve; the run finishes and the payment is made exactly once."""
+    with ledger_lab.worker() as child:
+        child.chat(PAY)
+        conversation = child.conversation()
+        waiting = child.wait_final()
+        assert child.kill() == -9
+    with ledger_lab.worker() as child:
+        child.conversations()  # the new process opens the file: recovery runs, and leaves it alone
+        status_after_restart = ledger_lab.runs()["status"].tolist()
+        paid_before = payments(ledger_lab)
+        child.approve(conversation)
+        approved = child.wait_final()
+        child.approve(conversation)
+        again = child.wait_final()
+
+    assert waiting["data"]["status"] == "waiting"
+    assert (status_after_restart, paid_before) == (["waiting"], [])
+    assert approved["event"] == "end" and approved["data"]["status"] == "completed"
+    assert again["data"]["run"] == approved["data"]["run"]
+    assert payments(ledger_lab) == [("alice", 30)]
+
+
+def test_a_kill_after_the_decision_is_recorded_asks_nobody_again(ledger_lab):
+    """Killed once the decision is written and before the graph ran anything with it (the
+    worker stops itself right after the approval run's `started`): the new process's resume
+    carries the recorded decision on, without a gate, and pays once."""
+    with ledger_lab.worker() as child:
+        child.chat(PAY)
+        conversation = child.conversation()
+        child.wait_final()
+    with ledger_lab.worker(SOPHOS_LAB_STOP_AFTER_EVENT="1") as child:
+        child.approve(conversation)
+        child.wait_for("started")
+        paid_at_kill = payments(ledger_lab)
+        assert child.kill() == -9
+    with ledger_lab.worker() as child:
+        child.conversations()
+        statuses = ledger_lab.runs()["status"].tolist()
+        child.approve(conversation)  # a repeat: answers with the run the decision started
+        repeat = child.wait_final()
+        child.resume(conversation)
+        resumed = child.wait_final()
+        entered = [e["data"]["event"] for e in child.events() if e["event"] == "trace"]
+
+    assert paid_at_kill == []
+    assert statuses == ["waiting", "interrupted"]
+    assert repeat["data"]["status"] == "interrupted"
+    assert resumed["data"]["status"] == "completed" and "waiting" not in entered
+    assert payments(ledger_lab) == [("alice", 30)]
+
+
+def test_a_kill_mid_payment_after_approval_resumes_with_the_decision_and_the_keyed_tool_pays_once(ledger_lab):
+    """Approved, the payment committed on the ledger's side, killed before the tools step is
+    saved: the resume runs the step again with the recorded decision (no new gate), and the
+    keyed tool's idempotency key makes the ledger take the repeat as the same payment."""
+    with ledger_lab.worker() as child:
+        child.chat(PAY_ONCE)
+        conversation = child.conversation()
+        child.wait_final()
+        ledger_lab.web.hold(COMMITTED)
+        child.approve(conversation)
+        assert ledger_lab.web.wait_held() == COMMITTED
+        assert child.kill() == -9
+    assert ledger_lab.web.release() == 1
+    with ledger_lab.worker() as child:
+        child.resume(conversation)
+        resumed = child.wait_final()
+        traces = [e["data"]["event"] for e in child.events() if e["event"] == "trace"]
+
+    assert resumed["data"]["status"] == "completed" and "waiting" not in traces
+    assert payments(ledger_lab) == [("alice", 30)]
+    assert ledger_lab.runs()["status"].tolist() == ["waiting", "interrupted", "completed"]
+
+
+def test_two_processes_approving_the_same_gate_make_one_run(ledger_lab):
+    """Both write the decision in the transaction that starts their run: one wins; the other
+    answers with the winner's run (its outcome, or that it runs in the other process)."""
+    with ledger_lab.worker() as first:
+        first.chat(PAY)
+        conversation = first.conversation()
+        first.wait_final()
+        with ledger_lab.worker() as second:
+            first.approve(conversation)
+            second.approve(conversation)
+            answers = [first.wait_final(), second.wait_final()]
+
+    runs = ledger_lab.runs()
+    [approval_run] = runs[runs["status"] != "waiting"]["id"].tolist()
+    assert runs["status"].tolist() == ["waiting", "completed"], answers
+    for answer in answers:
+        assert (answer["data"].get("run") == approval_run
+                or answer["data"].get("code") == "SESSION_IN_PROGRESS"), answers
+    assert payments(ledger_lab) == [("alice", 30)]
