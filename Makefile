@@ -65,7 +65,7 @@ record-golden: setup
 	$(BIN)/python tests/notebooks/golden.py record $(LESSONS)
 
 # Every benchmark in one table (benchmarks/bench.py): per step, storage growth, listing at scale,
-# child start-up, kill -> resume. `make bench BENCH_FLAGS=--quick` for a smoke run.
+# child start-up, kill -> resume, the SSE stream, the retry waits. `make bench BENCH_FLAGS=--quick` for a smoke run.
 bench: setup
 	$(BIN)/python benchmarks/bench.py $(BENCH_FLAGS)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-BENCHMARKS = ("steps", "growth", "listing", "startup", "sse")
+BENCHMARKS = ("steps", "growth", "listing", "startup", "sse", "retries")
 COLUMNS = ("benchmark", "measure", "kit", "bare LangGraph", "ratio", "unit")
 
 

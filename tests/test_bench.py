@@ -44,3 +44,21 @@ def test_an_unknown_benchmark_is_refused_by_name():
     assert done.returncode == 2
     assert "unknown benchmark nonsense" in done.stderr
     assert "|" not in done.stdout
+
+
+def test_the_retries_rows_list_the_defaults_backoff_and_one_observed_gap_per_retry():
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--only", "retries"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+
+    _, *rows = table(done.stdout)
+    assert {row[0] for row in rows} == {"retries"}
+    defaults = [row for row in rows if row[1].startswith("defaults: ")]
+    assert [row[2] for row in defaults] == ["1.00", "2.00", "4.00", "8.00", "16.0", "30.0", "30.0", "30.0"]
+    observed = [row for row in rows if "gap observed between the model requests" in row[1]]
+    assert [row[1].split(":")[1].split(",")[0].strip() for row in observed] == [
+        "retry 1 asked 0.05 s", "retry 2 asked 0.1 s", "retry 3 asked 0.2 s"]
+    assert all(float(row[2]) > 0 and row[5] == "s" for row in observed)
+    assert any(row[1].startswith("a hung request, limit 0.5 s") for row in rows)

@@ -1,4 +1,5 @@
-"""The children's small interface where it meets a refusal: the refused command says so at once."""
+"""The children's small interface where it meets a refusal or a cancel: the refused command says
+so at once, and a cancel ends the run the same way in a kernel child as in a worker."""
 
 import uuid
 
@@ -6,6 +7,7 @@ import pytest
 
 from sophos_lab.lab.children import ChildFailed
 from sophos_lab.lab.harness import Lab
+from sophos_lab.runtime.errors import CANCELLED, NOT_FOUND, RUN_NOT_ACTIVE
 
 
 @pytest.fixture(scope="module")
@@ -22,3 +24,65 @@ def test_the_conversation_of_a_refused_chat_raises_with_the_code(lab, kind):
         with pytest.raises(ChildFailed, match="NOT_FOUND"):
             child.conversation()
         assert child.wait_final()["event"] == "rejected"
+
+
+# --- cancel: the same outcome in a kernel child as in a worker ----------------------------
+
+
+def entered(child) -> list[tuple[int, str]]:
+    return [(e["data"]["step"], e["data"]["node"]) for e in child.events()
+            if e["event"] == "trace" and e["data"]["event"] == "enter"]
+
+
+@pytest.mark.parametrize("kind", ["kernel", "worker"])
+def test_a_cancel_mid_answer_is_recorded_keeps_the_tool_result_and_the_resume_completes(lab, kind):
+    """The kernel's shell is busy with the chat's cell while the model's answer is held: the
+    cancel still reaches the run, and everything after it is what a worker child shows."""
+    page = "wal.html"
+    fetches_before = lab.fetches(page)
+    lab.model.arm("summary")
+    with getattr(lab, kind)() as child:
+        child.chat(f"Fetch {lab.page(page)} and summarize it in 12 detailed bullet points.")
+        conversation = child.conversation()
+        lab.model.wait_paused()  # after the tool result, half-way through the summary
+        child.wait_for("token")
+        final = child.cancel(conversation)
+        lab.model.release()  # the client has hung up: nothing reads the rest
+        own = child.wait_final()
+        run = lab.runs(conversation).iloc[0]
+        cancelled = lab.state(conversation)
+
+        child.resume(conversation)
+        resumed = child.wait_final()
+        resume_entered = entered(child)
+
+    assert (final["event"], final["data"]["code"], final["data"]["message"]) == (
+        "chat-error", CANCELLED, "Cancelled by user")
+    assert own == final  # the run's own stream ends with the same event
+    assert (run.status, run.error_code, run.error_message) == ("cancelled", CANCELLED, "Cancelled by user")
+    assert run.cancel_requested_at is not None
+    # The fetch was saved; the half-streamed answer was not.
+    assert cancelled["last_checkpoint"]["next"] == ["agent"]
+    assert (cancelled["roles"], cancelled["resumable"]) == (["user", "assistant", "tool"], True)
+    assert (resumed["event"], resumed["data"]["status"]) == ("end", "completed")
+    assert resume_entered == [(3, "agent")]
+    assert lab.fetches(page) - fetches_before == 1
+    assert [s for s, _ in lab.state(conversation)["runs"]] == ["cancelled", "completed"]
+
+
+@pytest.mark.parametrize("kind", ["kernel", "worker"])
+def test_a_cancel_with_nothing_running_is_refused_and_changes_nothing(lab, kind):
+    with getattr(lab, kind)() as child:
+        child.chat("Hello there")
+        conversation = child.conversation()
+        done = child.wait_final()
+        idle = child.cancel(conversation)
+        unknown = child.cancel(str(uuid.uuid4()))
+        alive = child.is_alive()
+        run = lab.runs(conversation).iloc[0]
+
+    assert done["event"] == "end"
+    assert (idle["event"], idle["data"]["code"], idle["data"]["cmd"]) == ("rejected", RUN_NOT_ACTIVE, "cancel")
+    assert (unknown["event"], unknown["data"]["code"]) == ("rejected", NOT_FOUND)
+    assert alive  # a refused cancel leaves the child as it was
+    assert (run.status, run.cancel_requested_at) == ("completed", None)

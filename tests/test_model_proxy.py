@@ -9,6 +9,7 @@ host is always passed explicitly.)
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ from conftest import OLLAMA_LIKE_MODEL as MODEL
 from conftest import roles, statuses
 
 from sophos_lab.standins._proc import stop_server
-from sophos_lab.runtime.errors import MODEL_UNAVAILABLE
+from sophos_lab.runtime.errors import MODEL_UNAVAILABLE, MODEL_UNREACHABLE
 from sophos_lab.lab.harness import Lab
 from sophos_lab.standins.model_proxy import ModelProxyControl, start_model_proxy
 
@@ -173,6 +174,65 @@ async def test_an_unknown_model_behind_the_proxy_is_model_unavailable(lab, resta
     assert (run.status, run.error_code) == ("failed", MODEL_UNAVAILABLE)
     [request] = lab.model.chat_requests()
     assert (request["model"], request["status"]) == ("does-not-exist", 404)
+
+
+# --- (d) faults the proxy injects, as the scripted model's -----------------------------------
+
+
+async def test_two_failures_from_the_proxy_are_retried_and_the_third_request_reaches_the_model(lab, restart):
+    lab.model.fail_next(2, status=500)
+    async with restart(SOPHOS_LAB_MODEL_ATTEMPTS="3", SOPHOS_LAB_RETRY_BASE_SECONDS="0.01") as agent:
+        run = await agent.chat("hello")
+        events = [event async for event in run.events()]
+
+    retries = [e.data["data"] for e in events if e.event == "trace" and e.data["event"] == "retry"]
+    assert events[-1].event == "end"
+    assert [(r["attempt"], r["wait"], r["code"]) for r in retries] == [
+        (2, 0.01, MODEL_UNREACHABLE), (3, 0.02, MODEL_UNREACHABLE)]
+    assert "model proxy: injected failure (HTTP 500)" in retries[0]["error"]
+    assert [(r["status"], r["fault"]) for r in lab.model.chat_requests()] == [(500, "error"), (500, "error"), (200, None)]
+
+
+async def test_more_failures_than_attempts_end_with_model_unreachable_behind_the_proxy(lab, restart):
+    lab.model.fail_next(2, status=503, message="upstream overloaded")
+    async with restart(SOPHOS_LAB_MODEL_ATTEMPTS="2", SOPHOS_LAB_RETRY_BASE_SECONDS="0.01") as agent:
+        error = await agent.ask("hello")
+
+    assert error.data["code"] == MODEL_UNREACHABLE
+    assert error.data["message"].startswith("The model did not answer after 2 attempts (SOPHOS_LAB_MODEL_ATTEMPTS=2)")
+    assert "upstream overloaded" in error.data["message"]
+    assert lab.model_calls() == 2
+
+
+def test_hang_next_holds_a_chat_request_unanswered_until_released_and_answers_the_next(proxy):
+    url, control = proxy
+    control.hang_next(1)
+    outcome = {}
+
+    def ask() -> None:
+        try:
+            httpx.post(f"{url}/api/chat", timeout=30,
+                       json={"model": MODEL, "stream": False, "messages": [{"role": "user", "content": "hi"}]})
+        except httpx.HTTPError as error:
+            outcome["error"] = type(error).__name__
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    assert control.wait_paused() == "(hang)"
+    assert control.release() == 1
+    asking.join(30)
+
+    assert outcome == {"error": "RemoteProtocolError"}  # no answer at all, not even headers
+    assert chat_lines(url, messages=[{"role": "user", "content": "hi"}])[-1]["done"]
+    assert [(r["status"], r["fault"]) for r in control.chat_requests()] == [(0, "hang"), (200, None)]
+
+
+def test_a_fault_that_is_no_http_error_is_refused(proxy):
+    _, control = proxy
+    with pytest.raises(ValueError, match="status"):
+        control.fail_next(1, status=200)
+    with pytest.raises(ValueError, match="n"):
+        control.hang_next(0)
 
 
 # --- the proxy on its own: bytes through unchanged, exact holds --------------------------------

@@ -56,3 +56,25 @@ async def test_close_checkpoints_get_labels_that_do_not_overlap(open_service, db
         assert {"-1", "1"} <= {text for text, _ in labels}
     finally:
         plt.close(figure)
+
+
+async def test_a_retried_model_call_shows_each_failed_request_and_the_stretch_to_the_next(lab, open_service, db_path):
+    since = len(lab.model.chat_requests())
+    lab.model.fail_next(2, status=500)
+    conversation = await run_to_the_end(open_service, db_path, "Hello there", SOPHOS_LAB_MODEL_ATTEMPTS="3",
+                                        SOPHOS_LAB_RETRY_BASE_SECONDS="0.01")
+    requests = lab.model.chat_requests()[since:]
+    figure = views.timeline(db_path, conversation, model_requests=[r["time"] for r in requests],
+                            failed_requests=[r["time"] for r in requests if r["status"] != 200])
+    try:
+        [axes] = figure.axes
+        texts = [t.get_text() for t in axes.texts]
+        assert [r["status"] for r in requests] == [500, 500, 200]
+        assert len([t for t in texts if t.startswith("retry after ")]) == 2
+        # The stretch before the model call is the first call's (the MCP servers' start) alone:
+        # the retries' stretches are the failed calls and their waits, labelled as such.
+        assert len([t for t in texts if t.startswith("tools discovered")]) == 1
+        assert not [t for t in texts if t.startswith("before the model call")]
+        assert "✕ one that failed" in axes.get_xlabel()
+    finally:
+        plt.close(figure)

@@ -2,7 +2,9 @@
 or the HTTP server (`sophos-lab serve`, driven over its API and SSE stream).
 
 All have the same small interface: `chat()` and `resume()` return at once; `wait_for()` blocks
-until the child's event stream shows a given event (a barrier, never a timer); `kill()` sends
+until the child's event stream shows a given event (a barrier, never a timer); `cancel()` stops a
+conversation's run in the child and returns its final event (a kernel child takes it by a signal,
+see `LabKernel.cancel`); `kill()` sends
 SIGKILL to the child's whole process group; `shutdown()` sends SIGTERM to the child alone and
 waits for it to finish its graceful path; `freeze()` and `thaw()` stop and continue it
 (SIGSTOP, SIGCONT); `is_alive()`; `start()` starts a fresh child.
@@ -16,6 +18,7 @@ import abc
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -254,7 +257,7 @@ class _Child(abc.ABC):
 
     @abc.abstractmethod
     def _send(self, cmd: str, **args: Any) -> None:
-        """Hand one command (`chat`, `resume`, `conversations`) to the child."""
+        """Hand one command (`chat`, `resume`, `conversations`, `cancel`) to the child."""
 
 
 class LabWorker(_Child):
@@ -329,8 +332,10 @@ _PRELOAD = "from sophos_lab.lab.worker import load_runtime as _load_runtime; _lo
 _SETUP = (
     "from sophos_lab.lab.worker import ChildRuntime as _ChildRuntime\n"
     "_sophos = _ChildRuntime()\n"
-    "_sophos.install_signal_handlers()\n"
+    "_sophos.install_signal_handlers(request_dir={request_dir!r})\n"
 )
+REQUEST_SIGNAL = signal.SIGUSR1
+"""Tells a kernel child that a command waits in its request directory (see `LabKernel.cancel`)."""
 
 
 class LabKernel(_Child):
@@ -339,15 +344,21 @@ class LabKernel(_Child):
     The kernelspec is built from the running interpreter, the kernel's history stays in memory,
     and the kernel's raw output goes to a log file. Each chat or resume is one cell executed
     with a non-blocking `execute`; the events come back as stdout lines on IOPub.
+
+    A cancel cannot be a cell: the shell runs one cell at a time, and the chat's is still
+    running. It goes as a request file and a signal instead (`cancel`).
     """
 
     def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path, spec_dir: Path) -> None:
         super().__init__(env, cwd, log_path)
         self.spec_dir = Path(spec_dir)
+        self.request_dir = self.spec_dir / "requests" / self.log_path.stem
+        """Where `cancel` leaves its requests for the kernel (one directory per child)."""
         self.km = None
         self.kc = None
         self.output: list[str] = []
         self._stop = threading.Event()
+        self._requests_sent = 0
 
     @property
     def pid(self) -> int:
@@ -372,7 +383,8 @@ class LabKernel(_Child):
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=timeout)
         threading.Thread(target=self._read, args=(self.km, self.kc, self._stop), daemon=True).start()
-        self.execute(_SETUP, timeout=timeout)
+        shutil.rmtree(self.request_dir, ignore_errors=True)  # a restarted child takes no old request
+        self.execute(_SETUP.format(request_dir=str(self.request_dir)), timeout=timeout)
         return self
 
     def execute(self, code: str, timeout: float = 60.0) -> None:
@@ -412,10 +424,20 @@ class LabKernel(_Child):
             self._tidy(self.km.provisioner.process.poll() if self.km.provisioner else None)
 
     def cancel(self, conversation: str, timeout: float = 60.0) -> dict[str, Any]:
-        """Not for a kernel child: it runs one cell at a time, and the chat's cell is still running."""
-        raise NotImplementedError("cancel() needs a worker or a server child: a kernel runs one cell at a time")
+        """As a worker's: the run's final event, or the `rejected` event (`RUN_NOT_ACTIVE`, ...).
+
+        The kernel's shell is busy with the chat's cell, so the command does not go as a cell:
+        it is written to the child's request directory, then SIGUSR1 tells the kernel, whose
+        handler starts it on the loop the chat runs on. A dead kernel raises `ChildFailed`.
+        """
+        if not self.is_alive():
+            raise ChildFailed("the kernel child is not running: nothing to cancel")
+        return super().cancel(conversation, timeout)
 
     def _send(self, cmd: str, **args: Any) -> None:
+        if cmd == "cancel":
+            self._send_request({"cmd": cmd, **args})
+            return
         if cmd == "conversations":
             code = "_sophos.conversations();"
         elif cmd == "chat":
@@ -427,6 +449,19 @@ class LabKernel(_Child):
         else:
             code = f"await _sophos.resume({args['conversation']!r})"
         self.kc.execute(code, store_history=False)
+
+    def _send_request(self, command: dict[str, Any]) -> None:
+        """Leave `command` in the request directory (whole, by a rename; numbered, so the kernel
+        takes them in order) and signal the kernel process."""
+        self._requests_sent += 1
+        path = self.request_dir / f"{self._requests_sent:06d}.json"
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(command), encoding="utf-8")
+        os.replace(partial, path)
+        try:
+            os.kill(self.pid, REQUEST_SIGNAL)
+        except ProcessLookupError:
+            pass  # it died just now: the waiting sees its exit
 
     def _tidy(self, returncode: int | None) -> None:
         self._stop.set()

@@ -189,8 +189,9 @@ class Lab:
             "SHUTDOWN_TIMEOUT": str(self.shutdown_timeout),
             "SOPHOS_LAB_LOG_DIR": str(self.root / "logs"),
             "IPYTHONDIR": str(self.root / "ipython"),
-            # One attempt per model step, as the original made: lessons 00-08 show its failures
-            # as they are (a dead port is `AGENT_FAILURE` at once). Pass it to a child to retry.
+            # One attempt per model step, as the original made: lessons 00-10 show its failures
+            # as they are (a dead port is `AGENT_FAILURE` at once). Pass it to a child to retry
+            # (lesson 13).
             "SOPHOS_LAB_MODEL_ATTEMPTS": "1",
         }
         env.update({key: str(value) for key, value in overrides.items()})
@@ -286,9 +287,12 @@ class Lab:
         return views.state(self.db_path, conversation)
 
     def timeline(self, conversation: str):
-        """The runs and checkpoints of `conversation` on a time axis, with this lab's model requests."""
-        requests = [r["time"] for r in self.model.chat_requests() if r.get("time")]
-        return views.timeline(self.db_path, conversation, model_requests=requests)
+        """The runs and checkpoints of `conversation` on a time axis, with this lab's model
+        requests (✕ for those that failed: an HTTP error, or no answer at all)."""
+        requests = [r for r in self.model.chat_requests() if r.get("time")]
+        failed = [r["time"] for r in requests if r.get("status") != 200]
+        return views.timeline(self.db_path, conversation, model_requests=[r["time"] for r in requests],
+                              failed_requests=failed)
 
     def ledger(self) -> pd.DataFrame:
         """The ledger server's payments, oldest first (read-only; empty before the first one)."""

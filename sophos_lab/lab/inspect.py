@@ -304,13 +304,17 @@ TIMELINE_PREPARE_MIN = 0.1
 """Seconds of an agent step before its model call worth marking (tool discovery takes longer)."""
 
 
-def timeline(db_path: str | Path, conversation: str, model_requests: Any = ()):
+def timeline(db_path: str | Path, conversation: str, model_requests: Any = (), failed_requests: Any = ()):
     """A matplotlib figure: each run as a bar from start to finish, each checkpoint as a tick.
 
     `model_requests` (ISO times of `/api/chat` requests, e.g. from the lab's request log) adds a
     marker per model call inside a run, and marks the stretch of an agent step before its model
     call (the agent node asks for its tools first; the first time in a process that starts the
-    MCP servers). Step labels closer than `TIMELINE_LABEL_GAP` go on lines below each other.
+    MCP servers). `failed_requests` (ISO times of the requests among them that got no answer: an
+    HTTP error, or none at all) are marked ✕ instead, and the stretch from each to the next
+    request of its run is labelled with its length: the retry's backoff wait (plus the time limit,
+    for a request that never answered). Step labels closer than `TIMELINE_LABEL_GAP` go on lines
+    below each other.
     """
     import matplotlib.pyplot as plt
 
@@ -324,7 +328,8 @@ def timeline(db_path: str | Path, conversation: str, model_requests: Any = ()):
     def seconds(value: Any) -> float:
         return pd.Timestamp(value).timestamp() - origin
 
-    requests = sorted(seconds(t) for t in model_requests or ())
+    failed = {seconds(t) for t in failed_requests or ()}
+    requests = sorted({seconds(t) for t in model_requests or ()} | failed)
     every = [seconds(t) for t in points["created_at"]]
     spans = []
     for index, run in enumerate(runs.itertuples()):
@@ -349,12 +354,15 @@ def timeline(db_path: str | Path, conversation: str, model_requests: Any = ()):
     for row, (run, start, end, mine, times, calls) in enumerate(spans):
         axes.barh(row, max(end - start, 0.002 * right), left=start, height=0.3, color=colours.get(run.status, "grey"))
         # The agent step before each model call: from the checkpoint that sent the run to `agent`
-        # (a resumed run starts from an earlier run's checkpoint: then from the run's start).
+        # (a resumed run starts from an earlier run's checkpoint: then from the run's start). A
+        # retried call's stretch is the failed call's, then the wait: labelled below, not here.
         for call in calls:
             before = [(t, next_) for t, next_ in zip(every, points["next"]) if t <= call]
             if not before or tuple(before[-1][1]) != ("agent",):
                 continue
             began = max(before[-1][0], start)
+            if any(began <= other < call for other in calls):
+                continue
             if call - began >= TIMELINE_PREPARE_MIN:
                 axes.barh(row, call - began, left=began, height=0.3, color="white", alpha=0.55,
                           hatch="///", edgecolor="black", linewidth=0)
@@ -363,7 +371,17 @@ def timeline(db_path: str | Path, conversation: str, model_requests: Any = ()):
                 axes.annotate(f"{label} ({call - began:.1f} s)", (began, row - 0.2),
                               xytext=(0, 2), textcoords="offset points", fontsize=7, ha="left", va="bottom")
                 prepared_any = True
-        axes.scatter(calls, [row - 0.2] * len(calls), marker="v", s=18, color="tab:purple", zorder=3)
+        answered = [t for t in calls if t not in failed]
+        axes.scatter(answered, [row - 0.2] * len(answered), marker="v", s=18, color="tab:purple", zorder=3)
+        refused = [t for t in calls if t in failed]
+        axes.scatter(refused, [row - 0.2] * len(refused), marker="x", s=22, color="tab:red", zorder=3)
+        for call, after in zip(calls, calls[1:]):
+            if call in failed:
+                axes.annotate("", (after, row - 0.2), xytext=(call, row - 0.2),
+                              arrowprops={"arrowstyle": "->", "color": "tab:red", "linewidth": 0.8})
+                axes.annotate(f"retry after {after - call:.2f} s", ((call + after) / 2, row - 0.2),
+                              xytext=(0, 4), textcoords="offset points", fontsize=7, ha="center",
+                              va="bottom", color="tab:red")
         axes.scatter(times, [row + 0.3] * len(times), marker="|", color="black")
         # Step labels: each on the highest of TIMELINE_LABEL_LINES lines where it keeps
         # TIMELINE_LABEL_GAP from the label before it; one that fits on none is left out (its tick stays).
@@ -385,8 +403,10 @@ def timeline(db_path: str | Path, conversation: str, model_requests: Any = ()):
     axes.tick_params(axis="y", length=0)
     axes.set_ylim(max(len(runs), 1) - 0.1, -0.8)  # run 1 on top
     legend = "ticks: checkpoints, labelled with their step" + (" (some too close to label)" if skipped else "")
-    if requests:
+    if set(requests) - failed:
         legend += ";  ▼ a model request"
+    if failed:
+        legend += ";  ✕ one that failed, → to the next attempt"
     if prepared_any:
         legend += ";  hatched: an agent step before its model call"
     axes.set_xlabel(f"seconds since the first run started\n{legend}", fontsize=8)

@@ -15,6 +15,11 @@ handles SIGTERM:
 (answered with a `cancel-answer` event holding the run's final event), `{"cmd": "exit"}`. A
 refused command answers with a `rejected` event `{code, message, cmd}`.
 
+A kernel child cannot read commands while its shell runs the chat's cell, so it takes the
+commands that must reach a running run (only `cancel`) as request files: the lab writes
+`{"cmd": "cancel", "conversation": ...}` as one JSON file into the child's request directory and
+sends SIGUSR1 (see `ChildRuntime.install_signal_handlers`); the answer is the same event.
+
 For crash tests, `SOPHOS_LAB_STOP_AFTER_EVENT=N` makes the child SIGSTOP itself right after it
 has written and flushed the N-th event (by event id) of the first run it follows, so a parent
 that waits for that event can kill it at exactly that point.
@@ -103,9 +108,22 @@ class ChildRuntime:
         self._stop_after = int(os.environ.get("SOPHOS_LAB_STOP_AFTER_EVENT") or 0)
         """Stop (SIGSTOP) right after writing this event of the first run followed (0: never)."""
         self._runs_followed = 0
+        self._request_dir: Path | None = None
+        self._requests: set[asyncio.Task] = set()
 
-    def install_signal_handlers(self) -> None:
+    def install_signal_handlers(self, request_dir: str | Path | None = None) -> None:
+        """SIGTERM shuts the child down (see the module's docstring). With `request_dir` (a kernel
+        child, whose shell is busy with the chat's cell), SIGUSR1 means "commands are waiting in
+        `request_dir`": they are taken on the event loop the cells run on, beside the running chat.
+
+        Call it on that loop's thread, in a cell. A signal carries no data, hence the files; and
+        several signals may arrive as one, hence every waiting file is taken each time."""
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        if request_dir is not None:
+            self._request_dir = Path(request_dir)
+            self._request_dir.mkdir(parents=True, exist_ok=True)
+            self._loop = asyncio.get_running_loop()
+            signal.signal(signal.SIGUSR1, self._on_request_signal)
 
     async def chat(self, message: str, conversation: str | None = None) -> dict[str, Any] | None:
         """Run one chat turn to its end, emitting its events; returns the final event."""
@@ -129,6 +147,9 @@ class ChildRuntime:
             final = (await self.service.cancel(conversation)).to_dict()
         except SophosError as error:
             self.emit({"event": "rejected", "data": {**error.to_dict(), "cmd": "cancel"}})
+            return None
+        except Exception as error:  # never leave the parent waiting for an answer
+            self.emit({"event": "rejected", "data": {"code": "AGENT_FAILURE", "message": str(error), "cmd": "cancel"}})
             return None
         self.emit({"event": "cancel-answer", "data": {"conversation": conversation, "final": final}})
         return final
@@ -187,6 +208,28 @@ class ChildRuntime:
             self.service.request_drain("sigterm")
             timeout = self.service.settings.shutdown_timeout
             self._loop.call_soon_threadsafe(lambda: self._loop.call_later(timeout, self._cancel_active))
+
+    def _on_request_signal(self, signum: int, frame: Any) -> None:
+        # A Python signal handler runs on the main thread between two bytecodes, possibly in
+        # the middle of the loop's own work: only hand the loop a callback (the threadsafe call
+        # also wakes its selector).
+        self._loop.call_soon_threadsafe(self._take_requests)
+
+    def _take_requests(self) -> None:
+        """Start every command waiting in the request directory, oldest first."""
+        for path in sorted(self._request_dir.glob("*.json")):
+            try:
+                command = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as error:
+                command = {"cmd": None, "error": str(error)}
+            path.unlink(missing_ok=True)
+            if not isinstance(command, dict) or command.get("cmd") != "cancel":
+                self.emit({"event": "rejected", "data": {
+                    "code": "BAD_REQUEST", "message": f"bad request file {path.name}: {command}"}})
+                continue
+            task = asyncio.ensure_future(self.cancel(command.get("conversation")))
+            self._requests.add(task)
+            task.add_done_callback(self._requests.discard)
 
     def _cancel_active(self) -> None:
         for run in self.service.active.values():

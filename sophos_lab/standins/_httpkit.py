@@ -3,6 +3,8 @@
 - ``Holds``: named one-shot hold points that make a request wait until a
   test or notebook releases it (armed, waited for and released over HTTP).
 - ``RequestLog``: a thread-safe in-memory log, mirrored to a JSON-lines file.
+- ``Faults``: the next chat requests' injected failures (the scripted model's and the model
+  proxy's ``fail_next`` / ``hang_next``).
 - ``JsonHandler``: a quiet HTTP/1.1 request handler with JSON helpers.
 - ``serve``: print the ready line and serve until interrupted.
 - ``call`` and ``long_poll``: the urllib side used by the control clients.
@@ -96,6 +98,52 @@ class Holds:
         with self._changed:
             self._closed = True
         self.release()
+
+
+HANG = "(hang)"
+"""The hold point of a chat request that `hang_next` makes wait before any answer."""
+
+
+class Faults:
+    """The next chat requests' failures, each used once, in order: HTTP errors, then hangs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._errors: list[tuple[int, str]] = []
+        self._hangs = 0
+
+    def fail(self, n: int, status: int, message: str) -> None:
+        with self._lock:
+            self._errors += [(status, message)] * n
+
+    def hang(self, n: int) -> None:
+        with self._lock:
+            self._hangs += n
+
+    def take(self) -> tuple[int, str] | str | None:
+        """The next request's fault: `(status, message)`, `HANG`, or None."""
+        with self._lock:
+            if self._errors:
+                return self._errors.pop(0)
+            if self._hangs:
+                self._hangs -= 1
+                return HANG
+            return None
+
+    def control(self, name: str, body: dict, failure: str) -> tuple[int, dict]:
+        """Answer the control request `name` (`fail_next` or `hang_next`) with `body`: the HTTP
+        status and JSON of the answer. A failure's default message is `failure (HTTP <status>)`."""
+        n = body.get("n")
+        if name == "fail_next":
+            status = body.get("status", 500)
+            if type(n) is int and n > 0 and type(status) is int and 400 <= status <= 599:
+                self.fail(n, status, str(body.get("message") or f"{failure} (HTTP {status})"))
+                return 200, {"failing": n, "status": status}
+            return 400, {"error": 'expected a body like {"n": 2, "status": 500}'}
+        if type(n) is int and n > 0:
+            self.hang(n)
+            return 200, {"hanging": n}
+        return 400, {"error": 'expected a body like {"n": 1}'}
 
 
 class RequestLog:

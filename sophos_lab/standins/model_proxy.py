@@ -30,6 +30,12 @@ one stream):
 A held stream is let go by ``release()``, or ends when its client disconnects (a killed agent);
 the proxy then drops its upstream connection too. The bytes of the model's answer are never
 changed; a held stream is only delayed.
+
+Faults, as the scripted model has them (``fail_next(n, status)``, ``hang_next(n)``): the proxy
+answers the next ``n`` chat requests itself, with an HTTP error, or not at all until released
+or the client hangs up, as a gateway in front of a model server can. Those requests never
+reach the model; they are logged with ``fault: "error"`` (their status) or ``fault: "hang"``
+(status 0).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from sophos_lab.standins._httpkit import Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
+from sophos_lab.standins._httpkit import HANG, Faults, Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
 from sophos_lab.standins._proc import spawn_module, stop_server
 
 __all__ = [
@@ -67,7 +73,7 @@ CONTROL_PREFIXES = ("/_proxy/", "/_scripted/")
 
 LOG_FIELDS = (
     "model", "script", "turn", "n_messages", "last_role", "status", "tools", "tool_args",
-    "stream", "think",
+    "stream", "think", "fault",
 )
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those the proxy sets itself.
 _REQUEST_DROP = {"host", "connection", "keep-alive", "proxy-connection", "te", "trailer",
@@ -108,6 +114,7 @@ class ModelProxyServer(ThreadingHTTPServer):
         self.upstream_path = parts.path.rstrip("/")
         self.log = log or RequestLog()
         self.pauses = Holds()
+        self.faults = Faults()
         self._lock = threading.Lock()
         self._after: dict[str, int] = {}
 
@@ -182,6 +189,8 @@ class _Handler(JsonHandler):
         elif method == "POST" and name == "release":
             self.read_json()
             self.send_json(200, {"released": self.server.pauses.release()})
+        elif method == "POST" and name in ("fail_next", "hang_next"):
+            self.send_json(*self.server.faults.control(name, self.read_json(), "model proxy: injected failure"))
         else:
             self.send_json(404, {"error": f"no control endpoint {method} {name}"})
 
@@ -195,6 +204,8 @@ class _Handler(JsonHandler):
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _REQUEST_DROP}
         headers["Content-Length"] = str(len(raw))
         headers["Accept-Encoding"] = "identity"  # keep NDJSON lines readable on the way through
+        if path.endswith("/api/chat") and self._fault(path, entry):
+            return
         upstream = self.server.connect()
         try:
             try:
@@ -217,6 +228,23 @@ class _Handler(JsonHandler):
             self.close_connection = True
         finally:
             upstream.close()
+
+    def _fault(self, path: str, entry: dict) -> bool:
+        """Answer this chat request with the next injected fault, if there is one (the model
+        never sees it); whether there was."""
+        fault = self.server.faults.take()
+        if fault is None:
+            return False
+        if fault == HANG:
+            self._record(path, 0, {**entry, "fault": "hang"})  # status 0: never answered
+            self.server.pauses.arm(HANG)
+            self.server.pauses.hold_if_armed(HANG, self.connection)
+            self.close_connection = True  # released or abandoned: either way, no answer
+            return True
+        status, message = fault
+        self._record(path, status, {**entry, "fault": "error"})
+        self.send_json(status, {"error": message})
+        return True
 
     def _send_head(self, response: http.client.HTTPResponse, **extra: str) -> None:
         self.send_response(response.status, response.reason)
@@ -386,6 +414,21 @@ class ModelProxyControl:
     def release(self) -> int:
         """Let every held stream go on; return how many were held."""
         return call(f"{self.url}/_proxy/release", {})[1]["released"]
+
+    def fail_next(self, n: int = 1, status: int = 500, message: str | None = None) -> None:
+        """Answer the next `n` chat requests with HTTP `status` and `{"error": message}` from the
+        proxy itself, without forwarding them (a gateway's failure; the model never sees them);
+        logged with `fault: "error"`. As `ScriptedModelControl.fail_next`."""
+        status_code, body = call(f"{self.url}/_proxy/fail_next", {"n": n, "status": status, "message": message})
+        if status_code != 200:
+            raise ValueError(body.get("error", body))
+
+    def hang_next(self, n: int = 1) -> None:
+        """Never answer the next `n` chat requests (not forwarded: no headers, until `release()`
+        or the client hangs up); logged with `fault: "hang"`, status 0. As the scripted model's."""
+        status_code, body = call(f"{self.url}/_proxy/hang_next", {"n": n})
+        if status_code != 200:
+            raise ValueError(body.get("error", body))
 
 
 def start_model_proxy(

@@ -40,7 +40,6 @@ import argparse
 import json
 import re
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
@@ -49,7 +48,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from sophos_lab.standins._httpkit import Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
+from sophos_lab.standins._httpkit import HANG, Faults, Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
 from sophos_lab.standins._proc import spawn_module, stop_server
 
 __all__ = [
@@ -279,37 +278,6 @@ class ScriptedModelServer(ThreadingHTTPServer):
         super().server_close()
 
 
-HANG = "(hang)"
-"""The hold point of a chat request that `hang_next` makes wait before any answer."""
-
-
-class Faults:
-    """The next chat requests' failures, each used once, in order: HTTP errors, then hangs."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._errors: list[tuple[int, str]] = []
-        self._hangs = 0
-
-    def fail(self, n: int, status: int, message: str) -> None:
-        with self._lock:
-            self._errors += [(status, message)] * n
-
-    def hang(self, n: int) -> None:
-        with self._lock:
-            self._hangs += n
-
-    def take(self) -> tuple[int, str] | str | None:
-        """The next request's fault: `(status, message)`, `HANG`, or None."""
-        with self._lock:
-            if self._errors:
-                return self._errors.pop(0)
-            if self._hangs:
-                self._hangs -= 1
-                return HANG
-            return None
-
-
 class _Handler(JsonHandler):
     server: ScriptedModelServer
 
@@ -350,19 +318,8 @@ class _Handler(JsonHandler):
                 self.send_json(400, {"error": 'expected a body like {"pause": "summary"}'})
         elif path == "/_scripted/release":
             self.send_json(200, {"released": self.server.pauses.release()})
-        elif path == "/_scripted/fail_next":
-            n, status = body.get("n"), body.get("status", 500)
-            if type(n) is int and n > 0 and type(status) is int and 400 <= status <= 599:
-                self.server.faults.fail(n, status, str(body.get("message") or f"scripted failure (HTTP {status})"))
-                self.send_json(200, {"failing": n, "status": status})
-            else:
-                self.send_json(400, {"error": 'expected a body like {"n": 2, "status": 500}'})
-        elif path == "/_scripted/hang_next":
-            if type(body.get("n")) is int and body["n"] > 0:
-                self.server.faults.hang(body["n"])
-                self.send_json(200, {"hanging": body["n"]})
-            else:
-                self.send_json(400, {"error": 'expected a body like {"n": 1}'})
+        elif path in ("/_scripted/fail_next", "/_scripted/hang_next"):
+            self.send_json(*self.server.faults.control(path.rsplit("/", 1)[1], body, "scripted failure"))
         else:
             self._not_found(path)
 
