@@ -233,6 +233,8 @@ def test_a_kill_after_the_decision_is_recorded_asks_nobody_again(ledger_lab):
         statuses = ledger_lab.runs()["status"].tolist()
         child.approve(conversation)  # a repeat: answers with the run the decision started
         repeat = child.wait_final()
+        child.chat("Never mind the payment.", conversation)  # would leave the held call unanswered
+        new_message = child.wait_final()
         child.resume(conversation)
         resumed = child.wait_final()
         entered = [e["data"]["event"] for e in child.events() if e["event"] == "trace"]
@@ -240,6 +242,7 @@ def test_a_kill_after_the_decision_is_recorded_asks_nobody_again(ledger_lab):
     assert paid_at_kill == []
     assert statuses == ["waiting", "interrupted"]
     assert repeat["data"]["status"] == "interrupted"
+    assert (new_message["event"], new_message["data"]["code"]) == ("rejected", RUN_WAITING)
     assert resumed["data"]["status"] == "completed" and "waiting" not in entered
     assert payments(ledger_lab) == [("alice", 30)]
 

@@ -284,6 +284,40 @@ def test_a_version_2_file_gains_the_prune_record_in_place(db_path):
         store.close()
 
 
+def test_a_version_6_file_gains_the_waiting_status_and_gates_keeping_its_rows_and_references(db_path):
+    """Version 7 rebuilds `runs` (a CHECK changes only so) for `waiting`, and adds `gates`: a
+    version-6 file keeps its runs in order, its idempotency keys and their cascades."""
+    from sophos_lab.runtime.store import MIGRATIONS
+
+    conn = sqlite3.connect(db_path)
+    conn.executescript("BEGIN; " + "; ".join(MIGRATIONS[:6]) + "; PRAGMA user_version = 6; COMMIT;")
+    conn.execute("PRAGMA foreign_keys = ON")
+    conn.execute("INSERT INTO conversations VALUES (?, 'hello', 't0', 't1', 2)", (CONVERSATION,))
+    for run_id, status in (("run-b", "completed"), ("run-a", "cancelled")):  # rowid order, not id order
+        conn.execute("INSERT INTO runs (id, conversation_id, status, started_at, input, cancel_requested_at)"
+                     " VALUES (?, ?, ?, 't0', '[]', ?)", (run_id, CONVERSATION, status,
+                                                         "t1" if status == "cancelled" else None))
+    conn.execute("INSERT INTO idempotency_keys VALUES ('key-1', 'request', ?, 'run-b', 't0')", (CONVERSATION,))
+    conn.commit()
+    with pytest.raises(sqlite3.IntegrityError):  # version 6 knows no `waiting`
+        conn.execute("UPDATE runs SET status = 'waiting' WHERE id = 'run-a'")
+    conn.close()
+
+    store = reopen(db_path)
+    try:
+        assert user_version(db_path) == SCHEMA_VERSION
+        assert [(run.id, run.status, run.cancel_requested_at) for run in store.list_runs(CONVERSATION)] == [
+            ("run-b", "completed", None), ("run-a", "cancelled", "t1")]
+        assert store.keyed_run("key-1").run_id == "run-b"
+        store.conn.execute("UPDATE runs SET status = 'waiting' WHERE id = 'run-a'")
+        assert store.conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        store.conn.execute("DELETE FROM conversations WHERE id = ?", (CONVERSATION,))
+        assert store.conn.execute("SELECT count(*) FROM runs").fetchone()[0] == 0  # cascades still hold
+        assert store.keyed_run("key-1") is None
+    finally:
+        store.close()
+
+
 # --- ownership: only runs of gone owners are recovered --------------------------------------
 
 
