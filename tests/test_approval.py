@@ -170,6 +170,42 @@ async def test_resume_and_new_messages_are_refused_while_waiting_and_approval_wi
     assert [r.status for r in runs] == ["waiting"]  # the refusals wrote nothing
 
 
+async def test_a_rejected_call_stays_rejected_when_the_rule_is_dropped_while_it_waits(ledger_lab, open_agent):
+    async with open_agent() as agent:
+        conversation, _ = await until_gate(agent)
+    ledger_lab.without_approvals()  # the configuration changes while the gate waits
+    async with open_agent() as agent:
+        final = await (await agent.reject(conversation, "Do not pay alice.")).wait()
+        detail = await agent.get_conversation(conversation)
+
+    [result] = tool_results(detail)
+    assert final.data["status"] == "completed"
+    assert payments(ledger_lab) == []  # the decision holds, not the rule of the moment
+    assert "Do not pay alice." in result["content"]
+
+
+async def test_a_retried_approval_answers_for_its_own_gate_while_a_later_one_waits(ledger_lab, open_agent):
+    async with open_agent() as agent:
+        conversation, _ = await until_gate(agent)
+        first = agent.pending_approval(conversation)
+        approved = await agent.approve(conversation, gate=first.id)
+        await approved.wait()
+        second_run = await agent.chat("Now please pay 30 to alice.", conversation)
+        await second_run.wait()
+        second = agent.pending_approval(conversation)
+        by_gate = await agent.approve(conversation, gate=first.id)  # the retry of the first approval
+        by_calls = await agent.approve(conversation, {first.calls[0]["id"]: "approve"})
+        with pytest.raises(SophosError) as changed:
+            await agent.reject(conversation, gate=first.id)
+        still_waiting = agent.pending_approval(conversation)
+
+    assert second is not None and second.id != first.id
+    assert (by_gate.replayed, by_gate.id) == (by_calls.replayed, by_calls.id) == (True, approved.id)
+    assert changed.value.code == GATE_DECIDED
+    assert still_waiting == second  # nobody decided the later gate
+    assert payments(ledger_lab) == [("alice", 30)]
+
+
 def test_approval_rules_come_from_mcp_json_per_server_or_per_tool(tmp_path):
     config = tmp_path / "mcp.json"
     config.write_text(json.dumps({

@@ -69,3 +69,31 @@ async def test_racing_repeats_in_one_process_start_one_run(open_service):
 
     assert len({run.id for run in runs}) == 1
     assert len(rows) == 1
+
+
+def test_a_repeat_of_a_key_whose_process_died_mid_run_recovers_that_run_and_returns_it(lab, tmp_path):
+    """The HTTP server took the key and died mid-answer (kill -9); the same key in a new process
+    recovers the dead run first and returns it, instead of saying it runs elsewhere."""
+    import asyncio
+
+    message = "Write an essay on durable execution."
+    files = {"DATABASE_PATH": str(tmp_path / "sophos.db"), "MEMORY_FILE_PATH": str(tmp_path / "memory.jsonl")}
+    lab.model.arm("essay")
+    with lab.server(**files) as server:
+        answer = server.request("POST", "/api/chat", json={"message": message},
+                                headers={"Idempotency-Key": "essay-1"}).json()
+        lab.model.wait_paused()
+        assert server.kill() == -9
+    lab.model.release()
+
+    async def repeat():
+        agent = lab.service(**files)
+        try:
+            run = await agent.chat(message, idempotency_key="essay-1")
+            return run, await run.wait(), agent.list_runs()
+        finally:
+            await agent.aclose()
+
+    run, final, runs = asyncio.run(repeat())
+    assert (run.replayed, run.id, final.data["status"]) == (True, answer["run"], "interrupted")
+    assert [r.status for r in runs] == ["interrupted"]

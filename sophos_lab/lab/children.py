@@ -148,16 +148,17 @@ class _Child(abc.ABC):
         self.log.start_command()
         self._send("resume", conversation=conversation)
 
-    def approve(self, conversation: str, decisions: dict[str, Any] | None = None) -> None:
-        """Decide on the gate `conversation` waits at (None: approve every held call); returns at
-        once, and the run that carries the decision on is the latest command's (`wait_final`)."""
+    def approve(self, conversation: str, decisions: dict[str, Any] | None = None, gate: str | None = None) -> None:
+        """Decide on `conversation`'s gate (`gate`, else the one waiting now; `decisions` None:
+        approve every held call); returns at once, and the run that carries the decision on is
+        the latest command's (`wait_final`)."""
         self.log.start_command()
-        self._send("approve", conversation=conversation, decisions=decisions)
+        self._send("approve", conversation=conversation, decisions=decisions, gate=gate)
 
-    def reject(self, conversation: str, reason: str | None = None) -> None:
+    def reject(self, conversation: str, reason: str | None = None, gate: str | None = None) -> None:
         """Reject every call held at `conversation`'s gate, with `reason` for the model."""
         self.log.start_command()
-        self._send("reject", conversation=conversation, reason=reason)
+        self._send("reject", conversation=conversation, reason=reason, gate=gate)
 
     def cancel(self, conversation: str, timeout: float = 60.0) -> dict[str, Any]:
         """Cancel `conversation`'s active run in the child; the run's final event once it is
@@ -443,9 +444,9 @@ class LabKernel(_Child):
         elif cmd == "chat":
             code = f"await _sophos.chat({args['message']!r}, {args['conversation']!r})"
         elif cmd == "approve":
-            code = f"await _sophos.approve({args['conversation']!r}, {args['decisions']!r})"
+            code = f"await _sophos.approve({args['conversation']!r}, {args['decisions']!r}, {args['gate']!r})"
         elif cmd == "reject":
-            code = f"await _sophos.reject({args['conversation']!r}, {args['reason']!r})"
+            code = f"await _sophos.reject({args['conversation']!r}, {args['reason']!r}, {args['gate']!r})"
         else:
             code = f"await _sophos.resume({args['conversation']!r})"
         self.kc.execute(code, store_history=False)
@@ -591,7 +592,8 @@ class LabServer(LabWorker):
                 self.log.append({"event": "rejected", "data": {**error, "status": response.status_code, "cmd": cmd}})
             return
         if cmd in ("approve", "reject"):
-            body = {"decisions": args["decisions"]} if cmd == "approve" else {"reason": args["reason"]}
+            body = {"decisions": args["decisions"], "gate": args["gate"]} if cmd == "approve" else {
+                "reason": args["reason"], "gate": args["gate"]}
             path = f"/api/conversations/{args['conversation']}/{cmd}"
         else:
             path = "/api/chat"

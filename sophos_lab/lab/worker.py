@@ -132,13 +132,14 @@ class ChildRuntime:
     async def resume(self, conversation: str) -> dict[str, Any] | None:
         return await self._follow(lambda: self.service.resume(conversation), "resume")
 
-    async def approve(self, conversation: str, decisions: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """Decide on the gate the conversation waits at (None: approve every call) and follow
-        the run that carries the decision on (or, for a decision made already, the run it made)."""
-        return await self._follow(lambda: self.service.approve(conversation, decisions), "approve")
+    async def approve(self, conversation: str, decisions: dict[str, Any] | None = None,
+                      gate: str | None = None) -> dict[str, Any] | None:
+        """Decide on the gate (None: approve every call) and follow the run that carries the
+        decision on (or, for a decision made already, the run it made)."""
+        return await self._follow(lambda: self.service.approve(conversation, decisions, gate), "approve")
 
-    async def reject(self, conversation: str, reason: str | None = None) -> dict[str, Any] | None:
-        return await self._follow(lambda: self.service.reject(conversation, reason), "reject")
+    async def reject(self, conversation: str, reason: str | None = None, gate: str | None = None) -> dict[str, Any] | None:
+        return await self._follow(lambda: self.service.reject(conversation, reason, gate), "reject")
 
     async def cancel(self, conversation: str) -> dict[str, Any] | None:
         """Cancel the conversation's active run; emits `cancel-answer` with the run's final event
@@ -272,9 +273,9 @@ async def serve_stdin(runtime: ChildRuntime) -> None:
         elif name == "cancel":
             coro = runtime.cancel(command.get("conversation"))
         elif name == "approve":
-            coro = runtime.approve(command.get("conversation"), command.get("decisions"))
+            coro = runtime.approve(command.get("conversation"), command.get("decisions"), command.get("gate"))
         elif name == "reject":
-            coro = runtime.reject(command.get("conversation"), command.get("reason"))
+            coro = runtime.reject(command.get("conversation"), command.get("reason"), command.get("gate"))
         else:
             runtime.emit({"event": "rejected", "data": {"code": "BAD_REQUEST", "message": f"unknown command {name!r}"}})
             continue

@@ -172,6 +172,8 @@ class AgentParts:
 
 APPROVE, REJECT = "approve", "reject"
 REJECTED_BY_DEFAULT = "The user rejected this call."
+CARRIED_DECISIONS = "sophos_lab_decisions"
+"""The run config's key for the decisions a run carries into a gate (see the tools node)."""
 
 
 def approval_request(calls: list[dict]) -> dict[str, Any]:
@@ -393,7 +395,11 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver, *, 
         _attempt_begins("tools", runtime)
         thread_id = config["configurable"]["thread_id"]
         needs_approval = parts.approvals()
-        held = [call for call in state["messages"][-1].tool_calls if needs_approval(call["name"])]
+        # Held: what the configuration gates now, and whatever the run carries a decision for
+        # (the rule may have changed while the gate waited: a rejected call must never run).
+        carried = config["configurable"].get(CARRIED_DECISIONS) or {}
+        calls = state["messages"][-1].tool_calls
+        held = [call for call in calls if needs_approval(call["name"]) or call["id"] in carried]
         # The gate stands before every call of the turn: none runs until all are decided. The
         # first time, interrupt() stops the run here (the step is not saved, the interrupt
         # is); the resume runs the step again from the top, and interrupt() returns the

@@ -185,10 +185,12 @@ def plan_delete(conn: sqlite3.Connection | None, conversation_id: str) -> Remova
     checkpoints, checkpoint_bytes = _rows_and_bytes(conn, "checkpoints", "thread_id = ?", (conversation_id,))
     writes, write_bytes = _rows_and_bytes(conn, "writes", "thread_id = ?", (conversation_id,))
     _, prune_bytes = _rows_and_bytes(conn, "prunes", "conversation_id = ?", (conversation_id,))
+    _, key_bytes = _rows_and_bytes(conn, "idempotency_keys", "conversation_id = ?", (conversation_id,))
+    _, gate_bytes = _rows_and_bytes(conn, "gates", "conversation_id = ?", (conversation_id,))
     _, own_bytes = _rows_and_bytes(conn, "conversations", "id = ?", (conversation_id,))
     return Removal(
         "delete", conversation_id, runs=runs, checkpoints=checkpoints, writes=writes,
-        bytes=run_bytes + checkpoint_bytes + write_bytes + prune_bytes + own_bytes,
+        bytes=run_bytes + checkpoint_bytes + write_bytes + prune_bytes + key_bytes + gate_bytes + own_bytes,
     )
 
 
@@ -198,7 +200,8 @@ def delete_conversation(conn: sqlite3.Connection, conversation_id: str, me: Owne
     recoverable_runs(conn, conversation_id, me, "delete")  # a dead owner's run goes with the rest
     removal = plan_delete(conn, conversation_id)
     for table, column in (("writes", "thread_id"), ("checkpoints", "thread_id"), ("prunes", "conversation_id"),
-                          ("idempotency_keys", "conversation_id"), ("runs", "conversation_id"),
+                          ("idempotency_keys", "conversation_id"), ("gates", "conversation_id"),
+                          ("runs", "conversation_id"),
                           ("conversations", "id")):
         if has_table(conn, table):
             conn.execute(f"DELETE FROM {table} WHERE {column} = ?", (conversation_id,))

@@ -37,7 +37,7 @@ from langgraph.types import Command
 
 from . import errors, retention
 from .agent import (
-    APPROVE, ATTEMPT_WATCH, REJECT, AgentParts, AttemptWatch, build_graph, chat_model, check_config, classify_failure,
+    APPROVE, ATTEMPT_WATCH, CARRIED_DECISIONS, REJECT, AgentParts, AttemptWatch, build_graph, chat_model, check_config, classify_failure,
     read_system_prompt,
 )
 from .checkpointer import NotifyingSaver, is_fenced, shared_lock
@@ -447,14 +447,17 @@ class AgentService:
         command = None if decided is None else Command(resume={decided.id: decided.decisions})
         return await self._launch(conversation_id, pending, resume=True, idempotency=keyed, command=command)
 
-    async def approve(self, conversation: object, decisions: object = None) -> ActiveRun:
+    async def approve(self, conversation: object, decisions: object = None, gate: str | None = None) -> ActiveRun:
         """Decide on the tool calls a waiting run holds at its gate, and carry on: a new run on
         the thread, which runs the approved calls and gives the model, for each rejected one,
         a tool result that says so, with the reason.
 
         `decisions` maps each pending call's id to `"approve"`, `"reject"` or `{"decision",
         "reason"?, "args"?}` (see `parse_decisions`); None approves every call of the gate
-        (`reject()` rejects every one).
+        (`reject()` rejects every one): of `gate` (its id, as the `waiting` event and
+        `pending_approval` give it) if given, else of the gate waiting now. Name the gate when
+        you may send the same approval again (a retry): without it, a retry after the run has
+        stopped at a later gate would approve that one.
         The decisions are written, in the transaction that starts the run, before the graph
         resumes: a crash after that asks nobody again (`resume()` carries them on). The same
         decisions again are a no-op that returns the run they started (`replayed=True`);
@@ -462,55 +465,75 @@ class AgentService:
         refused (`APPROVAL_MISMATCH`), and nothing waiting is `NO_APPROVAL_PENDING`.
         """
         conversation_id = self._existing(conversation).id
-        if decisions is not None:
-            asked = parse_decisions(decisions)
+        asked = None if decisions is None else parse_decisions(decisions)
         await self._graph_ready()
         await self._write(self.store.recover, conversation_id)
-        gate = self.pending_approval(conversation_id)
-        if decisions is None:
-            latest = gate or next(iter(reversed(self.store.gates(conversation_id))), None)
-            if latest is None:
-                raise SophosError(errors.NO_APPROVAL_PENDING, f"No run waits for approval on conversation {conversation_id}.")
-            asked = every_call(latest, APPROVE)
-        if gate is None:
-            return self._repeated_approval(conversation_id, asked)
-        recorded = check_decisions(gate, asked)
+        pending = self.pending_approval(conversation_id)
+        target = self._target_gate(conversation_id, pending, gate, asked)
+        if asked is None:
+            asked = every_call(target, APPROVE)
+        if target.decided or pending is None or target.id != pending.id:
+            return self._repeated_approval(target, asked)
+        recorded = check_decisions(target, asked)
         self._check_accepting()
         self._check_idle(conversation_id)
         check_config(self.settings)
         try:
-            return await self._launch(conversation_id, [], resume=True, command=Command(resume={gate.id: recorded}),
-                                      decision=(gate, recorded))
+            return await self._launch(conversation_id, [], resume=True, command=Command(resume={target.id: recorded}),
+                                      decision=(target, recorded))
         except SophosError as error:
             if error.code != errors.GATE_DECIDED:
                 raise
-            return self._repeated_approval(conversation_id, asked)  # another process decided meanwhile
+            # Another process decided meanwhile.
+            return self._repeated_approval(self.store.gate(conversation_id, target.id), asked)
 
-    async def reject(self, conversation: object, reason: str | None = None) -> ActiveRun:
-        """Reject every call of the gate the conversation waits at, with `reason` for the model
-        (its tool results say the user rejected the call, and why); `approve()` otherwise."""
+    async def reject(self, conversation: object, reason: str | None = None, gate: str | None = None) -> ActiveRun:
+        """Reject every call of the gate (`gate`, else the one waiting now), with `reason` for
+        the model (its tool results say the user rejected the call, and why); as `approve()`."""
         conversation_id = self._existing(conversation).id
+        if reason is not None and (not isinstance(reason, str) or not reason.strip()):
+            raise SophosError(errors.BAD_REQUEST, f"A reason must be text that is not blank, not {reason!r}. Nothing was decided.")
         if reason is not None:
-            reason = parse_message(reason)
-        gate = self.pending_approval(conversation_id) or next(iter(reversed(self.store.gates(conversation_id))), None)
-        if gate is None:
-            raise SophosError(errors.NO_APPROVAL_PENDING, f"No run waits for approval on conversation {conversation_id}.")
-        return await self.approve(conversation_id, every_call(gate, REJECT, reason))
+            parse_message(reason)  # text UTF-8 can store exactly
+        target = self._target_gate(conversation_id, self.pending_approval(conversation_id), gate, None)
+        return await self.approve(conversation_id, every_call(target, REJECT, reason), gate=target.id)
 
-    def _repeated_approval(self, conversation_id: str, asked: dict[str, dict[str, Any]]) -> ActiveRun:
-        """An approval of a gate that is decided already: the run it started, if the decisions
-        are the same; else `GATE_DECIDED`, or `NO_APPROVAL_PENDING` if no gate held these calls."""
-        for gate in reversed(self.store.gates(conversation_id)):
-            if gate.decided and set(gate.decisions) & set(asked):
-                if check_decisions(gate, asked) != gate.decisions:
-                    raise SophosError(errors.GATE_DECIDED, (
-                        f"The gate of run {gate.run_id} was decided already, differently: "
-                        f"{json.dumps(gate.decisions, ensure_ascii=False)} at {gate.decided_at}. A decision "
-                        "cannot be changed; the run it started carried it on."))
-                if gate.decided_run_id is None:
-                    raise SophosError(errors.NO_APPROVAL_PENDING, "The run that carried this decision is gone.")
-                return self._run_as_started(gate.decided_run_id)
+    def _target_gate(self, conversation_id: str, pending: Gate | None, gate: str | None,
+                     asked: dict[str, dict] | None) -> Gate:
+        """The gate an approval is about: the one named, else the decided one whose calls the
+        decisions name (a retry, while a later gate may wait), else the one waiting now, else
+        (nothing waits, no decisions given) the latest one, decided: a repeat."""
+        if gate is not None:
+            named = self.store.gate(conversation_id, gate) if isinstance(gate, str) else None
+            if named is None:
+                raise SophosError(errors.NO_APPROVAL_PENDING, f"No gate {gate!r} on conversation {conversation_id}.")
+            return named
+        gates = list(reversed(self.store.gates(conversation_id)))
+        if asked is not None:
+            for earlier in gates:
+                if earlier.decided and set(asked) <= {call["id"] for call in earlier.calls}:
+                    return earlier
+        if pending is not None:
+            return pending
+        if asked is None and gates and gates[0].decided:
+            return gates[0]  # nothing waits: a repeat of the latest decision
         raise SophosError(errors.NO_APPROVAL_PENDING, f"No run waits for approval on conversation {conversation_id}.")
+
+    def _repeated_approval(self, gate: Gate, asked: dict[str, dict[str, Any]]) -> ActiveRun:
+        """An approval of a gate that is not the one waiting: the run its decision started, if
+        the decisions are the same; `GATE_DECIDED` if they differ; `NO_APPROVAL_PENDING` if the
+        gate was never decided (its run was superseded: nothing waits there any more)."""
+        if not gate.decided:
+            raise SophosError(errors.NO_APPROVAL_PENDING, (
+                f"The gate {gate.id} of run {gate.run_id} no longer waits, and was never decided."))
+        if check_decisions(gate, asked) != gate.decisions:
+            raise SophosError(errors.GATE_DECIDED, (
+                f"The gate of run {gate.run_id} was decided already, differently: "
+                f"{json.dumps(gate.decisions, ensure_ascii=False)} at {gate.decided_at}. A decision "
+                "cannot be changed; the run it started carried it on."))
+        if gate.decided_run_id is None:
+            raise SophosError(errors.NO_APPROVAL_PENDING, "The run that carried this decision is gone.")
+        return self._run_as_started(gate.decided_run_id)
 
     def _check_not_waiting(self, conversation_id: str) -> None:
         gate = self.pending_approval(conversation_id)
@@ -537,6 +560,9 @@ class AgentService:
             return active
         if row is None:
             raise SophosError(errors.NOT_FOUND, f"Run Not Found: {run_id}")
+        if row.status == "running" and (self._saver is None or not self._saver.lock.locked()):
+            self.store.recover(row.conversation_id)  # its owner may be gone (see _recover_before_listing)
+            row = self.store.get_run(run_id)
         if row.status == "running":
             raise SophosError(errors.SESSION_IN_PROGRESS, (
                 f"Run {run_id} is running in another process: follow it there."))
@@ -546,8 +572,9 @@ class AgentService:
             run.publish("chat-error", {"code": row.error_code, "message": row.error_message,
                                        "conversation": row.conversation_id, "run": row.id})
         else:
+            stopped_at = self.store.run_gate(row.id) if row.status == "waiting" else None
             run.publish("end", self._end_data(row.conversation_id, row.id, row.status,
-                                              self.store.run_gate(row.id) if row.status == "waiting" else None))
+                                              stopped_at if stopped_at and not stopped_at.decided else None))
         return run
 
     @staticmethod
@@ -774,6 +801,10 @@ class AgentService:
             "metadata": {"run_id": run.id},
             "recursion_limit": self.settings.recursion_limit,
         }
+        if isinstance(graph_input, Command) and isinstance(graph_input.resume, dict):
+            # The tools step holds every call it carries a decision for, whatever mcp.json says now.
+            carried = {call_id: decision for decisions in graph_input.resume.values() for call_id, decision in decisions.items()}
+            config["configurable"][CARRIED_DECISIONS] = carried
         translator = StreamTranslator(model_name=self.settings.ollama_model)
         gate = DurableGate(run.publish)
         self._saver.listeners[run.conversation] = lambda metadata: gate.saved(metadata.get("step", -1))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import BAD_REQUEST, CANCELLED, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
+from .errors import BAD_REQUEST, CANCELLED, CONFIG_ERROR, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
 from .ownership import Owner, owner_gone
 
 RUN_STATUSES = ("running", "interrupted", "completed", "failed", "cancelled", "waiting")
@@ -379,14 +379,18 @@ def migrate(conn: sqlite3.Connection) -> None:
     """
     conn.execute("BEGIN IMMEDIATE")
     try:
+        broken_before = set(conn.execute("PRAGMA foreign_key_check").fetchall())
         for number in range(schema_version(conn) + 1, SCHEMA_VERSION + 1):
             for statement in MIGRATIONS[number - 1].split(";"):
                 if statement.strip():
                     conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {number}")
-        broken = conn.execute("PRAGMA foreign_key_check").fetchall()
+        # Only what the migrations broke: a file may hold dangling rows written with foreign keys off.
+        broken = [row for row in conn.execute("PRAGMA foreign_key_check").fetchall() if row not in broken_before]
         if broken:
-            raise sqlite3.IntegrityError(f"the migration would break {len(broken)} references: {broken[:3]}")
+            raise SophosError(CONFIG_ERROR, (
+                f"Upgrading the file's schema would break {len(broken)} references ({broken[:3]}); the "
+                "file was not changed."))
     except BaseException:
         conn.execute("ROLLBACK")
         raise

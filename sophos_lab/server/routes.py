@@ -149,11 +149,11 @@ async def follow_chat(request: Request) -> Response:
             return stream(sse.single("chat-error", {
                 "code": errors.SESSION_IN_PROGRESS, "conversation": conversation, "run": latest.id,
                 "message": "The run is running in another process; follow it there."}))
-        return stream(sse.single("end", {
-            "conversation": conversation,
-            "run": latest.id if latest else None,
-            "status": latest.status if latest else None,
-        }))
+        ended = {"conversation": conversation, "run": latest.id if latest else None,
+                 "status": latest.status if latest else None}
+        if (gate := service.pending_approval(conversation)) is not None:
+            ended["approval"] = {"gate": gate.id, "calls": gate.calls}
+        return stream(sse.single("end", ended))
     return stream(sse.follow(run, sse.last_event_id(request.headers.get("last-event-id"))))
 
 
@@ -225,29 +225,29 @@ async def cancel_run(request: Request) -> Response:
 
 async def approve_run(request: Request) -> Response:
     """`POST /api/conversations/<uuid>/approve` (kit only), body `{"decisions": {tool_call_id:
-    "approve" | "reject" | {"decision", "reason"?, "args"?}}}`, or `{}` to approve every held
-    call: the decisions are recorded and a run carries them on; 200 `{conversation, run}`, then
+    "approve" | "reject" | {"decision", "reason"?, "args"?}}}`, or `{"gate": id}` to approve
+    every call the gate holds (`{}`: of the gate waiting now; a retry should name the gate): the decisions are recorded and a run carries them on; 200 `{conversation, run}`, then
     follow it with `GET /api/chat`. The same decisions again answer with the run they started
     (`Idempotent-Replayed: true`); 409 `NO_APPROVAL_PENDING` / `GATE_DECIDED`, 422
     `APPROVAL_MISMATCH`."""
     conversation = conversation_id(request.path_params["conversation"])
     body = await json_object(request, request.app.state.options.max_body_bytes)
-    unknown = set(body) - {"decisions"}
+    unknown = set(body) - {"decisions", "gate"}
     if unknown:
-        raise SophosError(errors.BAD_REQUEST, f"Unknown fields {sorted(unknown)}: give {{\"decisions\": {{...}}}} or {{}}")
-    run = await service_of(request).approve(conversation, body.get("decisions"))
+        raise SophosError(errors.BAD_REQUEST, f"Unknown fields {sorted(unknown)}: give decisions, gate, or both")
+    run = await service_of(request).approve(conversation, body.get("decisions"), body.get("gate"))
     return started_response(run)
 
 
 async def reject_run(request: Request) -> Response:
-    """`POST /api/conversations/<uuid>/reject` (kit only), body `{"reason"?}`: reject every held
-    call; answers as `approve`."""
+    """`POST /api/conversations/<uuid>/reject` (kit only), body `{"reason"?, "gate"?}`: reject
+    every call the gate holds; answers as `approve`."""
     conversation = conversation_id(request.path_params["conversation"])
     body = await json_object(request, request.app.state.options.max_body_bytes)
-    unknown = set(body) - {"reason"}
+    unknown = set(body) - {"reason", "gate"}
     if unknown:
-        raise SophosError(errors.BAD_REQUEST, f"Unknown fields {sorted(unknown)}: give {{\"reason\": \"...\"}} or {{}}")
-    run = await service_of(request).reject(conversation, body.get("reason"))
+        raise SophosError(errors.BAD_REQUEST, f"Unknown fields {sorted(unknown)}: give reason, gate, or both")
+    run = await service_of(request).reject(conversation, body.get("reason"), body.get("gate"))
     return started_response(run)
 
 
