@@ -1,11 +1,13 @@
-"""The chat lesson in a real browser: JupyterLab on loopback, Debian's Chromium driven by Playwright.
+"""The chat widget in a real browser: JupyterLab on loopback, Debian's Chromium driven by Playwright.
 
-The test opens `notebooks/06_chat_and_resume.ipynb` as committed (`CLICK_RESUME = False`, the
+The first test opens `notebooks/06_chat_and_resume.ipynb` as committed (`CLICK_RESUME = False`, the
 default), so that Run All kills the agent mid-answer and then stops with the Resume button showing. Then it does
 what a learner does: presses Resume in the rendered widget and waits for the completed answer.
 Finally it switches JupyterLab to its dark theme (Settings → Theme → JupyterLab Dark) and checks
 that the widget follows: its colours come from JupyterLab's CSS variables, not hard-coded ones.
-Everything is real: the JupyterLab frontend and the ipywidgets extension, the notebook kernel,
+The second opens a small test notebook (`tests/notebooks/approval_widget.ipynb`) whose payment
+waits at an approval gate, presses Approve on the widget's approval card, and checks that the run
+completes and the ledger holds one payment. Everything is real: the JupyterLab frontend and the ipywidgets extension, the notebook kernel,
 the agent's child kernel, the scripted model, the MCP servers and the SQLite file.
 
 Nothing is written to $HOME: JupyterLab's config, data and runtime directories, IPython's
@@ -35,10 +37,14 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import contextlib
+from collections.abc import Iterator
+
 from conftest import CHROMIUM, CHROMIUM_ARGS, last_bullet, needs_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "06_chat_and_resume.ipynb"
+APPROVAL_NOTEBOOK = ROOT / "tests" / "notebooks" / "approval_widget.ipynb"
 ARTIFACTS = ROOT / ".lab" / "artifacts"
 DOCS = ROOT / "docs"
 TIMEOUT_MS = 120_000
@@ -191,11 +197,11 @@ def stop_server(server: Server) -> None:
 # --- the notebook's kernel, from outside the browser -------------------------------------
 
 
-def notebook_kernel_client(server: Server):
-    """A second client of the notebook's kernel (through its connection file), or None."""
+def notebook_kernel_client(server: Server, name: str = NOTEBOOK.name):
+    """A second client of the kernel of the notebook `name` (through its connection file), or None."""
     from jupyter_client import BlockingKernelClient
 
-    sessions = [s for s in server.api("GET", "/api/sessions") if s["path"].endswith(NOTEBOOK.name)]
+    sessions = [s for s in server.api("GET", "/api/sessions") if s["path"].endswith(name)]
     if not sessions:
         return None
     client = BlockingKernelClient(connection_file=str(server.runtime_dir / f"kernel-{sessions[0]['kernel']['id']}.json"))
@@ -216,9 +222,9 @@ def evaluate(client, code: str, **expressions: str) -> dict[str, object]:
     return values
 
 
-def close_lab(server: Server) -> None:
+def close_lab(server: Server, name: str = NOTEBOOK.name) -> None:
     """What the learner does at the end: `lab.close()` (kills the child, stops the servers)."""
-    client = notebook_kernel_client(server)
+    client = notebook_kernel_client(server, name)
     if client is None:
         return
     try:
@@ -230,7 +236,7 @@ def close_lab(server: Server) -> None:
 # --- the test -------------------------------------------------------------------------------
 
 
-def wait_for_kernel(page, server: Server, timeout: float = 120.0) -> None:
+def wait_for_kernel(page, server: Server, name: str = NOTEBOOK.name, timeout: float = 120.0) -> None:
     """Until the notebook's kernel is idle and the page is connected to it.
 
     Run All before then opens JupyterLab's "Select Kernel" dialog instead of running anything
@@ -245,7 +251,7 @@ def wait_for_kernel(page, server: Server, timeout: float = 120.0) -> None:
             return sessions.some(s => s.path === name && s.kernel.execution_state === "idle"
                                       && s.kernel.connections > 0);
         }""",
-        arg=[NOTEBOOK.name, server.token], polling=200, timeout=timeout * 1000,
+        arg=[name, server.token], polling=200, timeout=timeout * 1000,
     )
     expect(page.locator(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator")).to_have_attribute("data-status", "idle")
 
@@ -298,11 +304,13 @@ def screenshot(locator, name: str, docs: str | None = None) -> None:
         (DOCS / docs).write_bytes((ARTIFACTS / name).read_bytes())
 
 
-def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_path):
+@contextlib.contextmanager
+def notebook_page(server: Server, tmp_path: Path, name: str, failure: str) -> Iterator[object]:
+    """Chromium on the notebook `name` (already in JupyterLab's root), its kernel idle and
+    connected: the page. A failure leaves a full-page screenshot `failure` in `.lab/artifacts/`;
+    at the end the notebook's lab is closed and the browser too."""
     from playwright.sync_api import expect, sync_playwright
 
-    server = jupyterlab
-    prepare_notebook(server.root_dir)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     browser_home = tmp_path / "browser-home"
     browser_home.mkdir()
@@ -317,56 +325,107 @@ def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_pat
         page = browser.new_page(viewport={"width": 1280, "height": 1100}, device_scale_factor=2)
         page.set_default_timeout(TIMEOUT_MS)
         try:
-            page.goto(f"{server.url}/lab/tree/{NOTEBOOK.name}?token={server.token}")
+            page.goto(f"{server.url}/lab/tree/{name}?token={server.token}")
             expect(page.locator(".jp-NotebookPanel .jp-Cell").first).to_be_visible()
-            wait_for_kernel(page, server)
-            run_all_cells(page)
-
-            # The notebook kills the agent mid-answer, reloads the widget and leaves Resume to us.
-            expect(page.get_by_text("Your turn: press Resume in the widget above.")).to_be_visible()
-            chat = page.locator(".sophos-chat").last  # the widget shown again in section 3
-            resume = chat.get_by_role("button", name="Resume")
-            expect(resume).to_be_visible()
-            expect(chat.locator(".sx-status")).to_contain_text("the process that ran it is gone")
-            chat.scroll_into_view_if_needed()
-            screenshot(chat, "chat-widget-before-resume.png", docs="chat-widget-crashed.png")
-
-            resume.click()
-            answer = chat.locator(".sx-msg.sx-assistant:not(.sx-live)", has_text=last_bullet())
-            expect(answer).to_be_visible()
-            expect(chat.locator(".sx-status")).to_have_text("Last run completed · 4 messages.")
-            expect(resume).to_be_hidden()
-            expect(chat.locator(".sx-banner")).to_have_count(0)
-            expect(chat.locator(".sx-chip")).to_have_count(1)
-            chat.scroll_into_view_if_needed()
-            screenshot(chat, "chat-widget.png", docs="chat-widget.png")
-            light = chat.evaluate(WIDGET_COLOURS)
-
-            # What the kernel says about the same moment.
-            client = notebook_kernel_client(server)
-            assert client is not None, "no session for the notebook"
-            try:
-                found = evaluate(
-                    client, "widget.join(60)",
-                    runs='lab.peek_runs(widget.view_model.conversation_id)["status"].tolist()',
-                    fetches='lab.fetches("wal.html")',
-                    resume_visible="widget.resume_visible",
-                    bullets='sum(line.startswith("- ") for line in widget.view_model.transcript[-1].text.splitlines())',
-                )
-            finally:
-                client.stop_channels()
-            assert found == {"runs": ["interrupted", "completed"], "fetches": 1, "resume_visible": False, "bullets": 12}
-
-            # The same widget in JupyterLab's dark theme: its colours must follow the theme.
-            switch_to_dark_theme(page)
-            chat.scroll_into_view_if_needed()
-            chat.screenshot(path=ARTIFACTS / "chat-widget-dark.png")
-            dark = chat.evaluate(WIDGET_COLOURS)
-            same = {name: value for name, value in dark.items() if light[name] == value}
-            assert not same, f"the widget keeps its light-theme colours in the dark theme: {same}\nlight: {light}\ndark: {dark}"
+            wait_for_kernel(page, server, name)
+            yield page
         except Exception:
-            page.screenshot(path=ARTIFACTS / "chat-widget-failure.png", full_page=True)
+            page.screenshot(path=ARTIFACTS / failure, full_page=True)
             raise
         finally:
-            close_lab(server)
+            close_lab(server, name)
             browser.close()
+
+
+def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_path):
+    from playwright.sync_api import expect
+
+    server = jupyterlab
+    prepare_notebook(server.root_dir)
+    with notebook_page(server, tmp_path, NOTEBOOK.name, "chat-widget-failure.png") as page:
+        run_all_cells(page)
+
+        # The notebook kills the agent mid-answer, reloads the widget and leaves Resume to us.
+        expect(page.get_by_text("Your turn: press Resume in the widget above.")).to_be_visible()
+        chat = page.locator(".sophos-chat").last  # the widget shown again in section 3
+        resume = chat.get_by_role("button", name="Resume")
+        expect(resume).to_be_visible()
+        expect(chat.locator(".sx-status")).to_contain_text("the process that ran it is gone")
+        chat.scroll_into_view_if_needed()
+        screenshot(chat, "chat-widget-before-resume.png", docs="chat-widget-crashed.png")
+
+        resume.click()
+        answer = chat.locator(".sx-msg.sx-assistant:not(.sx-live)", has_text=last_bullet())
+        expect(answer).to_be_visible()
+        expect(chat.locator(".sx-status")).to_have_text("Last run completed · 4 messages.")
+        expect(resume).to_be_hidden()
+        expect(chat.locator(".sx-banner")).to_have_count(0)
+        expect(chat.locator(".sx-chip")).to_have_count(1)
+        chat.scroll_into_view_if_needed()
+        screenshot(chat, "chat-widget.png", docs="chat-widget.png")
+        light = chat.evaluate(WIDGET_COLOURS)
+
+        # What the kernel says about the same moment.
+        client = notebook_kernel_client(server)
+        assert client is not None, "no session for the notebook"
+        try:
+            found = evaluate(
+                client, "widget.join(60)",
+                runs='lab.peek_runs(widget.view_model.conversation_id)["status"].tolist()',
+                fetches='lab.fetches("wal.html")',
+                resume_visible="widget.resume_visible",
+                bullets='sum(line.startswith("- ") for line in widget.view_model.transcript[-1].text.splitlines())',
+            )
+        finally:
+            client.stop_channels()
+        assert found == {"runs": ["interrupted", "completed"], "fetches": 1, "resume_visible": False, "bullets": 12}
+
+        # The same widget in JupyterLab's dark theme: its colours must follow the theme.
+        switch_to_dark_theme(page)
+        chat.scroll_into_view_if_needed()
+        chat.screenshot(path=ARTIFACTS / "chat-widget-dark.png")
+        dark = chat.evaluate(WIDGET_COLOURS)
+        same = {name: value for name, value in dark.items() if light[name] == value}
+        assert not same, f"the widget keeps its light-theme colours in the dark theme: {same}\nlight: {light}\ndark: {dark}"
+
+
+def test_approve_on_the_approval_card_pays_once_in_a_real_browser(jupyterlab, tmp_path):
+    from playwright.sync_api import expect
+
+    server = jupyterlab
+    name = APPROVAL_NOTEBOOK.name
+    (server.root_dir / name).write_bytes(APPROVAL_NOTEBOOK.read_bytes())
+    with notebook_page(server, tmp_path, name, "approval-card-failure.png") as page:
+        run_all_cells(page)
+
+        # The payment waits at its gate: the card lists the held call, as text.
+        expect(page.get_by_text("Your turn: press Approve in the widget above.")).to_be_visible()
+        chat = page.locator(".sophos-chat")
+        card = chat.locator(".sx-approval")
+        expect(card).to_be_visible()
+        expect(card.locator(".sx-approval-call")).to_have_count(1)
+        expect(card.locator(".sx-call-name")).to_have_text("ledger__record_payment")
+        expect(card.locator(".sx-call-args")).to_have_text('{"to": "alice", "amount": 30}')
+        expect(chat.locator(".sx-status")).to_contain_text("waits for your decision on 1 tool call")
+        expect(chat.get_by_role("button", name="Resume")).to_be_hidden()
+        expect(chat.get_by_role("button", name="Send")).to_be_disabled()
+        chat.scroll_into_view_if_needed()
+        screenshot(chat, "chat-widget-approval.png")
+
+        card.get_by_role("button", name="Approve").click()
+        expect(chat.locator(".sx-msg.sx-assistant:not(.sx-live)", has_text="Paid 30 to alice.")).to_be_visible()
+        expect(chat.locator(".sx-status")).to_have_text("Last run completed · 4 messages.")
+        expect(card).to_be_hidden()
+        expect(chat.locator(".sx-banner")).to_have_count(0)
+
+        client = notebook_kernel_client(server, name)
+        assert client is not None, "no session for the notebook"
+        try:
+            found = evaluate(
+                client, "widget.join(60)",
+                runs='lab.runs()["status"].tolist()',
+                payments='[tuple(row) for row in lab.ledger()[["to_account", "amount"]].itertuples(index=False)]',
+            )
+        finally:
+            client.stop_channels()
+        assert found == {"runs": ["waiting", "completed"], "payments": [("alice", 30)]}

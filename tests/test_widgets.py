@@ -4,15 +4,20 @@ Real parts throughout: the scripted model, the MCP servers, SQLite files, worker
 Each test has a database of its own in `tmp_path`; the lab (model and web pages) is shared.
 """
 
+import re
+import threading
+
 import pytest
 
 from sophos_lab.lab import inspect as views
-from sophos_lab.ui.chat_model import CHILD_EXITED
-from sophos_lab.lab.harness import dead_port_url
+from sophos_lab.ui.chat_model import CHILD_EXITED, ChatViewModel
+from sophos_lab.lab.harness import Lab, dead_port_url
 from sophos_lab.standins.scripted_model import tokenize
 from sophos_lab.ui.widgets import ChatWidget
 
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
+ESSAY = "Write an essay on durable execution."
+PAY = "Please pay 30 to alice."
 
 
 @pytest.fixture
@@ -38,6 +43,39 @@ def kinds(chat: ChatWidget) -> list[str]:
 
 def statuses(db_path: str, conversation: str) -> list[str]:
     return list(views.peek_runs(db_path, conversation)["status"])
+
+
+def until(vm: ChatViewModel, predicate, timeout: float = 60.0) -> None:
+    """Block until `predicate()` holds, re-checked each time the view-model tells of a change."""
+    changed = threading.Condition()
+
+    def listener(_: str) -> None:
+        with changed:
+            changed.notify_all()
+
+    vm.subscribe(listener)
+    with changed:
+        assert changed.wait_for(predicate, timeout), "the view-model never got there"
+
+
+def payments(lab: Lab) -> list[tuple[str, int]]:
+    return [tuple(row) for row in lab.ledger()[["to_account", "amount"]].itertuples(index=False)]
+
+
+@pytest.fixture
+def ledger_lab(request, lab_home):
+    """A lab of this test's own whose `mcp.json` has the ledger, whose payments need approval."""
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)
+    with Lab.setup(f"tests-widgets-{name}", quiet=True, extra_servers=("ledger",)) as lab:
+        yield lab
+
+
+def chat_on(where: str, lab: Lab, **env: str) -> tuple[ChatWidget, object | None]:
+    """A widget over an in-process service (`"service"`) or a worker child (`"worker"`, also returned)."""
+    if where == "service":
+        return ChatWidget.for_service(lab.settings(**env), log_dir=lab.root / "logs"), None
+    child = lab.worker(**env)
+    return ChatWidget.for_child(child), child
 
 
 def test_a_turn_streams_tool_chips_and_the_answer(lab, env, tmp_path):
@@ -170,3 +208,112 @@ def test_a_child_killed_right_after_started_offers_resume_and_answers_that_messa
     finally:
         chat.close()
         child.close()
+
+
+@pytest.mark.parametrize("where", ["service", "worker"])
+def test_cancel_mid_answer_shows_cancelled_and_offers_resume(lab, env, where):
+    lab.model.arm("essay")
+    chat, child = chat_on(where, lab, **env)
+    vm = chat.view_model
+    try:
+        assert not chat.cancel_visible
+        send(chat, ESSAY)
+        lab.model.wait_paused(timeout=60)  # half the essay is out; the model holds the rest
+        until(vm, lambda: vm.can_cancel)  # the run's `started` has reached the view-model
+        assert chat.cancel_visible and not chat.resume_visible and chat.send_button.disabled
+
+        chat.cancel_button.click()
+        assert not chat.cancel_visible  # asked once; the run's final event ends the turn
+        assert chat.join(60)
+        lab.model.release()  # nobody reads that stream any more
+
+        conversation = vm.conversation_id
+        assert (vm.error.code, vm.error.message) == ("CANCELLED", "Cancelled by user")
+        assert "CANCELLED" in chat.banner.value
+        assert chat.resume_visible and not chat.cancel_visible and not chat.send_button.disabled
+        assert kinds(chat) == ["user"]  # the half-streamed answer was never saved
+        assert statuses(env["DATABASE_PATH"], conversation) == ["cancelled"]
+
+        # Read again from durable state: the recorded outcome keeps the banner, and Resume.
+        chat.reload_button.click()
+        assert vm.error.code == "CANCELLED" and chat.resume_visible
+        assert "was cancelled" in vm.status and "`agent`" in vm.status
+        assert not vm.cancel()  # nothing runs here
+    finally:
+        lab.model.release()
+        chat.close()
+        if child is not None:
+            child.close()
+
+
+@pytest.mark.parametrize("where", ["service", "worker"])
+def test_a_payment_waits_at_the_approval_card_and_approve_pays_once(ledger_lab, where):
+    chat, child = chat_on(where, ledger_lab)
+    vm = chat.view_model
+    try:
+        assert not chat.approval_visible
+        send(chat, PAY)
+        assert chat.join(60)
+
+        conversation = vm.conversation_id
+        assert chat.approval_shown == [("ledger__record_payment", '{"to": "alice", "amount": 30}')]
+        assert chat.approval_visible and vm.error is None
+        assert [(c.name, c.arguments) for c in vm.approval.calls] == [("ledger__record_payment", {"to": "alice", "amount": 30})]
+        assert "waits for your decision on 1 tool call" in vm.status
+        # While it waits: no Send there (the runtime would refuse it), no Resume, nothing to cancel.
+        assert chat.send_button.disabled and not vm.send("Never mind.")
+        assert not chat.resume_visible and not vm.resume() and not chat.cancel_visible
+        assert kinds(chat) == ["user", "tool_call"]
+        assert statuses(ledger_lab.db_path, conversation) == ["waiting"] and payments(ledger_lab) == []
+
+        # Away and back: the card comes from durable state (for a child, the read-only views).
+        chat.new_button.click()
+        assert vm.approval is None and not chat.approval_visible and not chat.send_button.disabled
+        chat.conversation_list.value = conversation
+        chat.reload_button.click()
+        assert chat.approval_visible and chat.approval_shown == [("ledger__record_payment", '{"to": "alice", "amount": 30}')]
+
+        chat.approve_button.click()
+        assert not chat.approval_visible  # the decision is a turn of its own
+        assert chat.join(60)
+        assert vm.error is None and vm.approval is None and not chat.approval_visible
+        assert kinds(chat) == ["user", "tool_call", "tool_result", "assistant"]
+        assert (vm.transcript[2].name, vm.transcript[2].status) == ("ledger__record_payment", "success")
+        assert vm.transcript[-1].text == "Paid 30 to alice."
+        assert not chat.send_button.disabled and not chat.resume_visible
+        assert statuses(ledger_lab.db_path, conversation) == ["waiting", "completed"]
+        assert payments(ledger_lab) == [("alice", 30)]
+        assert not vm.approve()  # nothing waits any more
+    finally:
+        chat.close()
+        if child is not None:
+            child.close()
+
+
+def test_reject_with_a_reason_pays_nothing_and_the_transcript_shows_the_rejection(ledger_lab):
+    chat, _ = chat_on("service", ledger_lab)
+    vm = chat.view_model
+    try:
+        send(chat, PAY)
+        assert chat.join(60)
+        assert chat.approval_visible
+
+        # A view-model opened afresh on the same database shows the same gate.
+        assert ChatViewModel(vm.backend).approval == vm.approval
+
+        chat.reject_reason.value = "Alice was paid <b>yesterday</b>."
+        chat.reject_button.click()
+        assert chat.reject_reason.value == ""
+        assert chat.join(60)
+
+        assert payments(ledger_lab) == []
+        assert vm.error is None and vm.approval is None and not chat.approval_visible
+        assert kinds(chat) == ["user", "tool_call", "tool_result", "assistant"]
+        rejection = vm.transcript[2]
+        assert (rejection.name, rejection.status) == ("ledger__record_payment", "error")
+        assert "rejected" in rejection.text and "Alice was paid <b>yesterday</b>." in rejection.text
+        assert "Alice was paid &lt;b&gt;yesterday&lt;/b&gt;." in chat.transcript.value
+        assert vm.transcript[-1].text.startswith("The payment to alice failed")
+        assert statuses(ledger_lab.db_path, vm.conversation_id) == ["waiting", "completed"]
+    finally:
+        chat.close()

@@ -11,6 +11,7 @@ A conversation id is checked as the service checks it: anything else is a `BAD_R
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -115,6 +116,26 @@ def peek_runs(db_path: str | Path, conversation: str | None = None) -> pd.DataFr
 def ledger(db_path: str | Path) -> pd.DataFrame:
     """The ledger server's payments table (sophos_lab/standins/ledger_server.py), oldest first."""
     return _query(db_path, "payments", "SELECT * FROM payments ORDER BY id", (), LEDGER_COLUMNS)
+
+
+def pending_gate(db_path: str | Path, conversation: str) -> dict[str, Any] | None:
+    """The approval gate the conversation waits at, as the runtime's `pending_approval` finds it
+    (the gate of its latest run, when that run is `waiting`): `{gate, run, calls, created_at}`,
+    `calls` as the model made them (`[{id, name, args}]`); None when nothing waits."""
+    conversation = parse_conversation_id(conversation)
+    with read_only(db_path) as conn:
+        if conn is None or not has_table(conn, "gates"):
+            return None
+        row = conn.execute(
+            "SELECT g.id, g.run_id, g.calls, g.created_at FROM runs r JOIN gates g ON g.run_id = r.id"
+            " WHERE r.rowid = (SELECT max(rowid) FROM runs WHERE conversation_id = ?) AND r.status = 'waiting'"
+            " ORDER BY g.rowid DESC LIMIT 1",
+            (conversation,),
+        ).fetchone()
+    if row is None:
+        return None
+    gate, run, calls, created_at = row
+    return {"gate": gate, "run": run, "calls": json.loads(calls), "created_at": created_at}
 
 
 def conversations(db_path: str | Path) -> pd.DataFrame:

@@ -23,8 +23,9 @@ status for a tool message (``ChatOllama`` sends a ``ToolMessage`` as
 recognised by its text: a result that starts with ``Error`` (LangGraph's
 ``ToolNode`` and the MCP adapters: ``Error: ...``, ``Error executing tool
 ...``), ``Failed to`` (the fetch server: ``Failed to fetch URL - status code
-404``, ``... due to a connection issue``) or ``The sites robots.txt`` (the
-fetch server refusing a page). A script can give its own regex as
+404``, ``... due to a connection issue``), ``The sites robots.txt`` (the
+fetch server refusing a page) or ``Not run:`` (the runtime's result for a call
+a person rejected at an approval gate). A script can give its own regex as
 ``tool_error_match`` (searched in each result), e.g. for the memory server,
 whose errors read ``Entity with name X not found``. A real model reads the text too.
 
@@ -67,7 +68,7 @@ __all__ = [
 
 VERSION = "0.0.0-scripted"
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
-TOOL_ERROR = re.compile(r"^\s*(?:Error\b|Failed to\b|The sites? robots\.txt\b)")
+TOOL_ERROR = re.compile(r"^\s*(?:Error\b|Failed to\b|The sites? robots\.txt\b|Not run:)")
 """How a failed tool result reads (the request has no status to tell): see the module docstring."""
 
 

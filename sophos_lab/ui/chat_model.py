@@ -1,8 +1,9 @@
 """The chat widget's view-model and its two backends. Pure Python: no ipywidgets here.
 
 `ChatViewModel` holds what the widget shows (conversations, transcript, the answer being
-streamed, a status line, an error banner, `busy`, `resumable`) and runs each agent turn on a
-worker thread, telling its listeners what changed. When a turn ends it reloads everything from
+streamed, a status line, an error banner, `busy`, `resumable`, the tool calls a run waits to have
+approved) and runs each agent turn (a message, a resume, an approval or a rejection) on a worker
+thread, telling its listeners what changed; a run in progress can be cancelled. When a turn ends it reloads everything from
 durable state, so what you see afterwards is what the database says, not what was streamed.
 
 A backend is where the agent runs:
@@ -72,6 +73,30 @@ class ErrorBanner:
 
 
 @dataclass(frozen=True)
+class ApprovalCall:
+    """One tool call held at an approval gate, as the model made it."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PendingApproval:
+    """The gate a conversation's `waiting` run stopped at: the tool calls it holds back, none of
+    which has run. Approve runs them all; Reject gives the model a tool result that says so."""
+
+    gate: str
+    run: str
+    calls: tuple[ApprovalCall, ...]
+
+    @classmethod
+    def from_calls(cls, gate: str, run: str, calls: list[dict[str, Any]]) -> PendingApproval:
+        """From the runtime's `[{id, name, args}]`."""
+        return cls(gate, run, tuple(ApprovalCall(c["id"], c["name"], c.get("args") or {}) for c in calls))
+
+
+@dataclass(frozen=True)
 class ThreadDetail:
     """A conversation as durable state describes it.
 
@@ -86,10 +111,13 @@ class ThreadDetail:
     run_status: str | None
     error: ErrorBanner | None = None
     orphaned: bool = False
+    approval: PendingApproval | None = None
+    """What the latest run waits for (its status is `waiting`), else None."""
 
 
 class ChatBackend(Protocol):
-    """Where the agent runs. `chat` and `resume` yield event dicts up to a final event."""
+    """Where the agent runs. `chat`, `resume`, `approve` and `reject` yield event dicts up to a
+    final event; `cancel` returns the cancelled run's final event, or a `rejected` event."""
 
     def conversations(self) -> list[ConversationSummary]: ...
 
@@ -99,12 +127,18 @@ class ChatBackend(Protocol):
 
     def resume(self, conversation: str) -> Iterator[EventDict]: ...
 
+    def approve(self, conversation: str) -> Iterator[EventDict]: ...
+
+    def reject(self, conversation: str, reason: str | None) -> Iterator[EventDict]: ...
+
+    def cancel(self, conversation: str) -> EventDict: ...
+
     def close(self) -> None: ...
 
 
 def recorded_error(status: str | None, code: str | None, message: str | None) -> ErrorBanner | None:
-    """The banner for a run's recorded outcome: only failed or interrupted runs with a code."""
-    if status in ("failed", "interrupted") and code:
+    """The banner for a run's recorded outcome: only failed, interrupted or cancelled runs with a code."""
+    if status in ("failed", "interrupted", "cancelled") and code:
         return ErrorBanner(code, message or "")
     return None
 
@@ -145,10 +179,14 @@ def describe(detail: ThreadDetail | None) -> str:
             "Resume starts a fresh child; its first open of the database relabels the run "
             f"`interrupted`, then it continues with `{next_nodes}`."
         )
+    if detail.approval is not None:
+        count = len(detail.approval.calls)
+        calls = "1 tool call" if count == 1 else f"{count} tool calls"
+        return f"The run waits for your decision on {calls}: nothing has run yet. Approve or Reject above."
     if detail.run_status == "running":
         return "A run of this conversation is in progress in another process."
     if detail.resumable:
-        outcome = "failed" if detail.run_status == "failed" else "stopped before it finished"
+        outcome = {"failed": "failed", "cancelled": "was cancelled"}.get(detail.run_status, "stopped before it finished")
         return f"The last run {outcome}. Its progress is saved: Resume continues with `{next_nodes}`."
     if detail.run_status is None:
         return f"No run yet · {count} messages."
@@ -162,6 +200,9 @@ class _Turn:
     tokens: list[str] = field(default_factory=list)
     step: int | None = None
     answering: bool = False
+    run: str | None = None
+    """The run, once its `started` event arrived (only then can it be cancelled)."""
+    cancelling: bool = False
 
 
 class ChatViewModel:
@@ -169,6 +210,10 @@ class ChatViewModel:
 
     Listeners are called as `listener(what)` with `what` either `"live"` (only the streamed
     answer grew) or `"all"`; they may be called from the worker thread.
+
+    While the open conversation's latest run is `waiting`, `approval` holds its gate: Send and
+    Resume are not offered there (the runtime refuses both with `RUN_WAITING`), `approve()` and
+    `reject()` are.
     """
 
     def __init__(self, backend: ChatBackend, open_latest: bool = True) -> None:
@@ -182,11 +227,14 @@ class ChatViewModel:
         self.error: ErrorBanner | None = None
         self.busy = False
         self.resumable = False
+        self.approval: PendingApproval | None = None
+        """The gate the open conversation waits at (shown as the approval card), else None."""
         self.detail: ThreadDetail | None = None
         self._turn = _Turn()
         self._listeners: list[Callable[[str], None]] = []
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
+        self._cancel_thread: threading.Thread | None = None
         self.reload()
         if open_latest and self.conversations:
             self.select(self.conversations[0].id)
@@ -201,7 +249,22 @@ class ChatViewModel:
     @property
     def can_resume(self) -> bool:
         """Whether to show Resume: the thread is resumable and no turn is running here."""
-        return self.resumable and not self.busy
+        return self.resumable and not self.busy and self.approval is None
+
+    @property
+    def can_send(self) -> bool:
+        """Whether Send is offered: no turn runs here and the open conversation waits for no decision."""
+        return not self.busy and self.approval is None
+
+    @property
+    def can_cancel(self) -> bool:
+        """Whether to show Cancel: a turn runs here, its run has started, no cancel was asked yet."""
+        return self.busy and self._turn.run is not None and not self._turn.cancelling
+
+    @property
+    def can_decide(self) -> bool:
+        """Whether to show the approval card: the open conversation waits at a gate, no turn runs."""
+        return self.approval is not None and not self.busy
 
     def subscribe(self, listener: Callable[[str], None]) -> None:
         self._listeners.append(listener)
@@ -211,9 +274,10 @@ class ChatViewModel:
     def send(self, text: str) -> bool:
         """Start a turn with a user message (in a new conversation unless one is open).
 
-        False when a turn is already running or the text is blank."""
+        False when a turn is already running, the open conversation waits for a decision on
+        tool calls (see `approve`, `reject`), or the text is blank."""
         with self._lock:
-            if self.busy or not text.strip():
+            if not self.can_send or not text.strip():
                 return False
             self._begin("Sending…")
             self.transcript = [*self.transcript, TranscriptItem("user", text)]
@@ -233,6 +297,34 @@ class ChatViewModel:
             conversation = self.conversation_id
         self._notify("all")
         self._start(lambda: self.backend.resume(conversation))
+        return True
+
+    def approve(self) -> bool:
+        """Approve every tool call the open conversation's run waits with, as a turn: a new run
+        runs them and carries on. False when nothing waits or a turn is running."""
+        return self._decide("Approving…", self.backend.approve)
+
+    def reject(self, reason: str | None = None) -> bool:
+        """Reject every held tool call, as a turn: none runs, and the model gets a tool result
+        saying the user rejected it (with `reason`, when given). False as for `approve`."""
+        reason = (reason or "").strip() or None
+        return self._decide("Rejecting…", lambda conversation: self.backend.reject(conversation, reason))
+
+    def cancel(self) -> bool:
+        """Ask the backend to cancel the run in progress. The turn then ends with the run's own
+        final event (a `CANCELLED` banner; what the run saved before stays, so Resume is offered).
+        False when no run has started here or a cancel was asked already."""
+        with self._lock:
+            if not self.can_cancel or self.conversation_id is None:
+                return False
+            turn, conversation = self._turn, self.conversation_id
+            turn.cancelling = True
+            self.status = "Cancelling…"
+        self._notify("all")
+        # Not on the caller's thread: the backend answers once the run's outcome is recorded.
+        self._cancel_thread = threading.Thread(
+            target=self._cancel, args=(turn, conversation), name="sophos-chat-cancel", daemon=True)
+        self._cancel_thread.start()
         return True
 
     def select(self, conversation_id: str | None) -> bool:
@@ -270,10 +362,10 @@ class ChatViewModel:
         self._notify("all")
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the turn in progress; True when none is running any more."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
+        """Wait for the turn in progress (and a cancel asked of it); True when none is running any more."""
+        for thread in (self._thread, self._cancel_thread):
+            if thread is not None:
+                thread.join(timeout)
         return not self.busy
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -283,10 +375,36 @@ class ChatViewModel:
 
     # the turn, on its worker thread
 
+    def _decide(self, status: str, stream: Callable[[str], Iterator[EventDict]]) -> bool:
+        with self._lock:
+            if not self.can_decide or self.conversation_id is None:
+                return False
+            self._begin(status)
+            conversation = self.conversation_id
+        self._notify("all")
+        self._start(lambda: stream(conversation))
+        return True
+
+    def _cancel(self, turn: _Turn, conversation: str) -> None:
+        try:
+            answer = self.backend.cancel(conversation)
+        except Exception as exc:  # e.g. the child is gone; the turn ends by itself then
+            answer = {"event": "rejected", "data": {"code": WIDGET_ERROR, "message": f"cancel failed: {type(exc).__name__}: {exc}"}}
+        if answer["event"] != "rejected":
+            return  # the run's final event ends the turn, through its own stream
+        with self._lock:
+            if self._turn is not turn or not self.busy:
+                return  # the run ended first: its own outcome is what shows
+            data = answer.get("data") or {}
+            self.error = ErrorBanner(data.get("code", WIDGET_ERROR), data.get("message", ""))
+            turn.cancelling = False
+        self._notify("all")
+
     def _begin(self, status: str) -> None:
         self.busy = True
         self.error = None
         self.resumable = False
+        self.approval = None
         self.streamed_answer = ""
         self._turn = _Turn()
         self.status = status
@@ -326,6 +444,7 @@ class ChatViewModel:
             elif name == "started":
                 what = "all"
                 self.conversation_id = data["conversation"]
+                turn.run = data["run"]
                 self.status = f"{'Resuming' if data.get('resume') else 'Running'} run {data['run'][:8]}…"
             elif name == "note":
                 what, self.status = "all", str(data)
@@ -356,6 +475,9 @@ class ChatViewModel:
             )]
         elif kind == "leave" and "error" in data:
             self.status = f"step {note['step']} · {note['node']} raised: {data['error']}"
+        elif kind == "waiting":
+            self._flush_live()
+            self.status = f"step {note.get('step')} · tools: waiting for your approval…"
 
     def _flush_live(self) -> None:
         """Move the streamed text into the transcript (a model step that also called tools)."""
@@ -388,6 +510,7 @@ class ChatViewModel:
         self.detail = detail
         self.transcript = transcript_from_messages(detail.messages) if detail else []
         self.resumable = bool(detail and detail.resumable)
+        self.approval = detail.approval if detail else None
         self.error = detail.error if detail else None
         self.status = describe(detail)
 
@@ -441,11 +564,12 @@ class ServiceBackend:
 
     def detail(self, conversation_id: str) -> ThreadDetail:
         found = self._call(self.service.get_conversation(conversation_id))
-        summary = found.conversation
+        summary, gate = found.conversation, found.approval
         return ThreadDetail(
             conversation_id=summary.id, messages=found.messages, next=found.next,
             resumable=found.resumable, run_status=summary.status,
             error=recorded_error(summary.status, summary.error_code, summary.error_message),
+            approval=None if gate is None else PendingApproval.from_calls(gate.id, gate.run_id, gate.calls),
         )
 
     def chat(self, message: str, conversation: str | None) -> Iterator[EventDict]:
@@ -453,6 +577,18 @@ class ServiceBackend:
 
     def resume(self, conversation: str) -> Iterator[EventDict]:
         return self._stream(lambda: self.service.resume(conversation))
+
+    def approve(self, conversation: str) -> Iterator[EventDict]:
+        return self._stream(lambda: self.service.approve(conversation))
+
+    def reject(self, conversation: str, reason: str | None) -> Iterator[EventDict]:
+        return self._stream(lambda: self.service.reject(conversation, reason))
+
+    def cancel(self, conversation: str) -> EventDict:
+        try:
+            return self._call(self.service.cancel(conversation)).to_dict()
+        except SophosError as error:
+            return {"event": "rejected", "data": error.to_dict()}
 
     def close(self) -> None:
         """Drain the service (as a shutdown would), then stop the loop and its thread."""
@@ -532,12 +668,14 @@ class ChildBackend:
         last = runs.iloc[-1] if len(runs) else None
         status = None if last is None else last["status"]
         orphaned = status == "running" and last["id"] not in self._live_runs()
+        gate = views.pending_gate(self.db_path, conversation_id) if status == "waiting" else None
         return ThreadDetail(
             conversation_id=conversation_id, messages=messages, next=next_nodes,
             resumable=bool(next_nodes or any(m.get("pending") for m in messages))
-            and (status != "running" or orphaned), run_status=status,
+            and (status not in ("running", "waiting") or orphaned), run_status=status,
             error=None if last is None else recorded_error(status, _text(last["error_code"]), _text(last["error_message"])),
             orphaned=orphaned,
+            approval=None if gate is None else PendingApproval.from_calls(gate["gate"], gate["run"], gate["calls"]),
         )
 
     def chat(self, message: str, conversation: str | None) -> Iterator[EventDict]:
@@ -545,6 +683,16 @@ class ChildBackend:
 
     def resume(self, conversation: str) -> Iterator[EventDict]:
         return self._follow(lambda child: child.resume(conversation))
+
+    def approve(self, conversation: str) -> Iterator[EventDict]:
+        return self._follow(lambda child: child.approve(conversation))
+
+    def reject(self, conversation: str, reason: str | None) -> Iterator[EventDict]:
+        return self._follow(lambda child: child.reject(conversation, reason))
+
+    def cancel(self, conversation: str) -> EventDict:
+        """The child's answer: the run's final event, or a `rejected` one (`RUN_NOT_ACTIVE`, ...)."""
+        return self.child.cancel(conversation)
 
     def close(self) -> None:
         """Nothing to do: the child belongs to whoever started it (the lab closes it)."""
@@ -560,6 +708,8 @@ class ChildBackend:
             batch = child.log.events_since(index, timeout=self.poll)
             index += len(batch)
             for event in batch:
+                if _answers_cancel(event):
+                    continue  # a refused cancel is the cancel's answer, not the turn's end
                 yield event
                 if event["event"] in FINAL_EVENTS:
                     return
@@ -580,6 +730,13 @@ class ChildBackend:
             elif event["event"] in ("end", "chat-error"):
                 live.discard(data["run"])
         return live
+
+
+def _answers_cancel(event: EventDict) -> bool:
+    """A child's events that answer a `cancel` command rather than belong to the run."""
+    data = event.get("data")
+    return event["event"] == "cancel-answer" or (
+        event["event"] == "rejected" and isinstance(data, dict) and data.get("cmd") == "cancel")
 
 
 def _text(value: Any) -> str | None:

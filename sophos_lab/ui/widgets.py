@@ -4,6 +4,10 @@
     chat = ChatWidget.for_child(lab.kernel()) # the agent in a child kernel you can kill
     chat                                      # shows it; chat.join() waits for the turn
 
+While a run is active a Cancel button shows; when a run stops at an approval gate, an approval
+card lists the tool calls it holds (name and JSON arguments) with Approve and Reject (and an
+optional reason the model reads).
+
 The agent's turn runs on a worker thread, never on the kernel's event loop, so the widget keeps
 streaming after the cell has finished (ipykernel 7). The transcript is re-rendered only at step
 boundaries; the streamed answer at most every `throttle` seconds.
@@ -26,6 +30,7 @@ from .chat_model import (
     ChatViewModel,
     ChildBackend,
     ErrorBanner,
+    PendingApproval,
     ServiceBackend,
     TranscriptItem,
 )
@@ -60,6 +65,14 @@ STYLE = """<style>
 .sophos-chat .sx-banner b { color: var(--jp-error-color1); font-family: var(--jp-code-font-family); }
 .sophos-chat .sx-status { color: var(--jp-ui-font-color2); font-size: var(--jp-ui-font-size1); line-height: 1.4; }
 .sophos-chat .sx-empty { color: var(--jp-ui-font-color3); font-style: italic; }
+.sophos-chat .sx-approval { margin: 6px 0; padding: 6px 10px; border-radius: 4px;
+  border: 1px solid var(--jp-warn-color1); border-left-width: 4px; background: var(--jp-layout-color1); }
+.sophos-chat .sx-approval-title { color: var(--jp-ui-font-color1); line-height: 1.4; }
+.sophos-chat .sx-approval-call { align-items: baseline; margin: 2px 0; }
+.sophos-chat .sx-call-name, .sophos-chat .sx-call-args { height: auto; line-height: 1.4; color: var(--jp-ui-font-color1);
+  font-family: var(--jp-code-font-family); font-size: var(--jp-code-font-size); }
+.sophos-chat .sx-call-name { font-weight: bold; flex: 0 0 auto; }
+.sophos-chat .sx-call-args { white-space: pre-wrap; overflow-wrap: anywhere; flex: 1 1 auto; }
 </style>"""
 
 
@@ -98,6 +111,27 @@ def banner_html(error: ErrorBanner | None) -> str:
     return f'<div class="sx-banner"><b>{html.escape(error.code)}</b> {html.escape(error.message)}</div>'
 
 
+APPROVAL_TITLE = (
+    '<div class="sx-approval-title"><b>⏸ Approval needed.</b> The run holds these tool calls; '
+    "none has run yet.</div>"
+)
+
+
+def approval_rows(approval: PendingApproval | None) -> list[w.HBox]:
+    """One row per held call: its tool name and its arguments as JSON, in Labels (set as text,
+    never parsed as HTML: the model made both)."""
+    rows = []
+    for call in approval.calls if approval else ():
+        name = w.Label(call.name)
+        name.add_class("sx-call-name")
+        arguments = w.Label(json.dumps(call.arguments, ensure_ascii=False))
+        arguments.add_class("sx-call-args")
+        row = w.HBox([name, arguments])
+        row.add_class("sx-approval-call")
+        rows.append(row)
+    return rows
+
+
 def status_html(status: str, busy: bool) -> str:
     spinner = "⏳ " if busy else ""
     text = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(status))  # `next` etc. as code
@@ -106,7 +140,8 @@ def status_html(status: str, busy: bool) -> str:
 
 class ChatWidget:
     """A chat panel: conversation list, transcript, streamed answer, status, error banner,
-    Resume, and a message box with Send. State and actions live in `view_model`."""
+    Resume, Cancel, the approval card, and a message box with Send. State and actions live in
+    `view_model`."""
 
     def __init__(self, view_model: ChatViewModel, throttle: float = 0.05) -> None:
         self.view_model = view_model
@@ -122,6 +157,29 @@ class ChatWidget:
             description="Resume", icon="play", button_style="warning",
             tooltip="Continue the thread from its latest checkpoint",
         )
+        self.cancel_button = w.Button(
+            description="Cancel", icon="stop", button_style="danger",
+            tooltip="Stop the run now; what it saved before stays, and Resume continues from there",
+        )
+        self.approval_calls = w.VBox()
+        self.reject_reason = w.Text(
+            placeholder="Reason for rejecting (optional; the model reads it)",
+            layout=w.Layout(flex="1 1 auto", width="auto"),
+        )
+        self.approve_button = w.Button(
+            description="Approve", icon="check", button_style="success", tooltip="Run the tool calls, then carry on",
+        )
+        self.reject_button = w.Button(
+            description="Reject", icon="times", button_style="danger",
+            tooltip="Run none of them: the model is told you rejected them (and why)",
+        )
+        self.approval_card = w.VBox([
+            w.HTML(APPROVAL_TITLE),
+            self.approval_calls,
+            w.HBox([self.reject_reason, self.approve_button, self.reject_button]),
+        ])
+        self.approval_card.add_class("sx-approval")
+        self._shown_approval: PendingApproval | None = None
         self.input = w.Text(placeholder="Message the agent…", layout=w.Layout(flex="1 1 auto", width="auto"))
         self.send_button = w.Button(description="Send", icon="paper-plane", button_style="primary")
         # column-reverse keeps a scrolled transcript pinned to its newest message
@@ -134,7 +192,8 @@ class ChatWidget:
             w.HBox([self.conversation_list, self.new_button, self.reload_button]),
             self.banner,
             scroller,
-            w.HBox([self.status, self.resume_button], layout=w.Layout(align_items="center")),
+            self.approval_card,
+            w.HBox([self.status, self.resume_button, self.cancel_button], layout=w.Layout(align_items="center")),
             w.HBox([self.input, self.send_button]),
         ], layout=w.Layout(width="100%"))
         self.root.add_class("sophos-chat")
@@ -145,6 +204,9 @@ class ChatWidget:
         self._syncing = False
         self.send_button.on_click(lambda _: self._send())
         self.resume_button.on_click(lambda _: view_model.resume())
+        self.cancel_button.on_click(lambda _: view_model.cancel())
+        self.approve_button.on_click(lambda _: view_model.approve())
+        self.reject_button.on_click(lambda _: self._reject())
         self.new_button.on_click(lambda _: view_model.new_conversation())
         self.reload_button.on_click(lambda _: view_model.reload())
         self.conversation_list.observe(self._on_pick, names="value")
@@ -187,6 +249,19 @@ class ChatWidget:
     def resume_visible(self) -> bool:
         return self.resume_button.layout.display != "none"
 
+    @property
+    def cancel_visible(self) -> bool:
+        return self.cancel_button.layout.display != "none"
+
+    @property
+    def approval_visible(self) -> bool:
+        return self.approval_card.layout.display != "none"
+
+    @property
+    def approval_shown(self) -> list[tuple[str, str]]:
+        """What the approval card lists: (tool name, JSON arguments) per held call."""
+        return [(row.children[0].value, row.children[1].value) for row in self.approval_calls.children]
+
     def display(self) -> None:
         from IPython.display import display
 
@@ -213,8 +288,22 @@ class ChatWidget:
             self._render_live()
             self.status.value = status_html(vm.status, vm.busy)
             self.resume_button.layout.display = None if vm.can_resume else "none"
-            for control in (self.send_button, self.new_button, self.conversation_list):
+            self.cancel_button.layout.display = None if vm.can_cancel else "none"
+            self._render_approval()
+            for control in (self.new_button, self.conversation_list):
                 control.disabled = vm.busy
+            self.send_button.disabled = not vm.can_send
+
+    def _render_approval(self) -> None:
+        vm = self.view_model
+        if vm.approval != self._shown_approval:  # new rows only when the gate changes
+            for row in self.approval_calls.children:
+                for label in row.children:
+                    label.close()
+                row.close()
+            self.approval_calls.children = approval_rows(vm.approval)
+            self._shown_approval = vm.approval
+        self.approval_card.layout.display = None if vm.can_decide else "none"
 
     def _render_live(self) -> None:
         self.live.value = live_html(self.view_model.live_text)
@@ -270,3 +359,7 @@ class ChatWidget:
     def _send(self) -> None:
         if self.view_model.send(self.input.value):
             self.input.value = ""
+
+    def _reject(self) -> None:
+        if self.view_model.reject(self.reject_reason.value):
+            self.reject_reason.value = ""
