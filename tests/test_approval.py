@@ -114,7 +114,9 @@ async def test_a_rejection_gives_the_model_the_reason_as_the_tool_result_and_run
     assert final.data["status"] == "completed"
     assert payments(ledger_lab) == []
     assert "rejected" in result["content"] and "Alice was paid yesterday." in result["content"]
-    assert detail.messages[-1]["role"] == "assistant"  # the model read the rejection and answered
+    # The model read the rejection as a failed call (the scripted model by its text, "Not run: ...").
+    assert detail.messages[-1]["role"] == "assistant"
+    assert detail.messages[-1]["content"] == f"The payment to alice failed: {result['content']}"
 
 
 async def test_decisions_that_do_not_fit_the_gate_are_refused_and_decide_nothing(ledger_lab, open_agent):
@@ -239,15 +241,25 @@ def test_the_gate_survives_kill_9_and_an_approval_in_a_new_process_finishes_the_
         child.conversations()  # the new process opens the file: recovery runs, and leaves it alone
         status_after_restart = ledger_lab.runs()["status"].tolist()
         paid_before = payments(ledger_lab)
+        gate_before = ledger_lab.gates(conversation)
+        resumable_while_waiting = ledger_lab.state(conversation)["resumable"]
         child.approve(conversation)
         approved = child.wait_final()
         child.approve(conversation)
         again = child.wait_final()
+        gate_after = ledger_lab.gates()
 
+    [call] = waiting["data"]["approval"]["calls"]
     assert waiting["data"]["status"] == "waiting"
-    assert (status_after_restart, paid_before) == (["waiting"], [])
+    assert (status_after_restart, paid_before, resumable_while_waiting) == (["waiting"], [], False)
+    assert gate_before[["gate", "run_id", "call_id", "tool", "args", "decision", "decided_run_id"]].to_dict("records") == [{
+        "gate": waiting["data"]["approval"]["gate"], "run_id": waiting["data"]["run"], "call_id": call["id"],
+        "tool": "ledger__record_payment", "args": {"to": "alice", "amount": 30}, "decision": None,
+        "decided_run_id": None}]
     assert approved["event"] == "end" and approved["data"]["status"] == "completed"
     assert again["data"]["run"] == approved["data"]["run"]
+    assert gate_after[["call_id", "decision", "reason", "decided_run_id"]].to_dict("records") == [{
+        "call_id": call["id"], "decision": "approve", "reason": None, "decided_run_id": approved["data"]["run"]}]
     assert payments(ledger_lab) == [("alice", 30)]
 
 

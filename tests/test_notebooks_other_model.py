@@ -6,9 +6,9 @@ proxy in front of it, so the kill points stay exact. papermill runs each lesson 
 the agent in a plain subprocess. Checks of what the model chose (which tool, how many calls, the
 text) are made for the scripted model only, and the lessons say so when they skip them.
 
-The lessons whose kill point needs a tool call (04-11; 13's held page) run against the server's
-hesitant tag, which first answers every such question in words, as a real model sometimes does:
-the lesson says so, asks again, and still reaches its kill point. The model failures of lesson 13
+The lessons whose kill point needs a tool call (04-11; 12's gated payment; 13's held page) run
+against the server's hesitant tag, which first answers every such question in words, as a real
+model sometimes does: the lesson says so, asks again, and still reaches its kill point. The model failures of lesson 13
 (HTTP 500s, a 400) come from the lab's recording proxy (`fail_next`), as they come from the
 scripted model.
 """
@@ -24,7 +24,7 @@ from conftest import OLLAMA_LIKE_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-KILL_POINT_NEEDS_A_TOOL_CALL = {"04", "05", "06", "07", "08", "09", "10", "11", "13"}
+KILL_POINT_NEEDS_A_TOOL_CALL = {"04", "05", "06", "07", "08", "09", "10", "11", "12", "13"}
 
 
 @pytest.mark.other_model

@@ -273,6 +273,10 @@ class Lab:
     def conversations(self) -> pd.DataFrame:
         return views.conversations(self.db_path)
 
+    def gates(self, conversation: str | None = None) -> pd.DataFrame:
+        """The approval gates on disk: one row per held tool call, with the decision on it."""
+        return views.gates(self.db_path, conversation)
+
     def checkpoints(self, conversation: str) -> pd.DataFrame:
         return views.checkpoints(self.db_path, conversation)
 

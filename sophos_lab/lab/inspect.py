@@ -35,6 +35,10 @@ CHECKPOINT_COLUMNS = [
 WRITE_COLUMNS = ["checkpoint_id", "step", "task_id", "task_path", "idx", "channel", "value"]
 MESSAGE_COLUMNS = ["role", "content", "name", "status", "tool_calls"]
 LEDGER_COLUMNS = ["id", "to_account", "amount", "idempotency_key", "created_at"]
+GATE_COLUMNS = [
+    "gate", "conversation_id", "run_id", "call_id", "tool", "args", "decision", "reason", "created_at",
+    "decided_at", "decided_run_id",
+]
 
 
 def _plain(frame: pd.DataFrame) -> pd.DataFrame:
@@ -111,6 +115,34 @@ def peek_runs(db_path: str | Path, conversation: str | None = None) -> pd.DataFr
     return _query(
         db_path, "runs", f"SELECT * FROM runs {where} ORDER BY rowid", params, RUN_COLUMNS
     )
+
+
+def gates(db_path: str | Path, conversation: str | None = None) -> pd.DataFrame:
+    """The `gates` table as it is on disk, oldest first: one row per tool call a gate holds, with
+    its arguments and the decision on it (`decision` and `reason` None while undecided;
+    `decided_run_id` is the run that carried the decisions on). All gates when `conversation`
+    is None."""
+    where, params = ("", ())
+    if conversation is not None:
+        where, params = "WHERE conversation_id = ?", (parse_conversation_id(conversation),)
+    with read_only(db_path) as conn:
+        if conn is None or not has_table(conn, "gates"):
+            return pd.DataFrame(columns=GATE_COLUMNS)
+        stored = conn.execute(
+            "SELECT id, conversation_id, run_id, calls, decisions, created_at, decided_at, decided_run_id"
+            f" FROM gates {where} ORDER BY rowid", params).fetchall()
+    rows = []
+    for gate, conversation_id, run_id, calls, decisions, created_at, decided_at, decided_run_id in stored:
+        decisions = json.loads(decisions) if decisions is not None else {}
+        for call in json.loads(calls):
+            decided = decisions.get(call["id"], {})
+            rows.append({
+                "gate": gate, "conversation_id": conversation_id, "run_id": run_id, "call_id": call["id"],
+                "tool": call["name"], "args": call["args"], "decision": decided.get("decision"),
+                "reason": decided.get("reason"), "created_at": created_at, "decided_at": decided_at,
+                "decided_run_id": decided_run_id,
+            })
+    return _plain(pd.DataFrame(rows, columns=GATE_COLUMNS))
 
 
 def ledger(db_path: str | Path) -> pd.DataFrame:
@@ -291,7 +323,8 @@ def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
     """What the seed's `state()` shell helper prints: runs, the last checkpoint, resumable, roles.
 
     `resumable` here is `next` non-empty (or a message accepted that never reached the thread,
-    then listed under `pending`) and no run of this conversation recorded `running`.
+    then listed under `pending`), no run of this conversation recorded `running`, and the latest
+    run is not `waiting` at an approval gate (that one goes on with a decision, not a resume).
     """
     conversation = parse_conversation_id(conversation)  # None would read every run
     runs = peek_runs(db_path, conversation)
@@ -299,13 +332,14 @@ def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
     last = checkpoint_record(latest) if latest is not None else None
     dtos = message_dtos(latest.values.get("messages", [])) if latest is not None else []
     busy = bool((runs["status"] == "running").any()) if len(runs) else False
+    waiting = bool(len(runs)) and runs["status"].iloc[-1] == "waiting"
     pending = _pending(runs, latest)
     return {
         "runs": [(row.status, row.error_code) for row in runs.itertuples()],
         "last_checkpoint": None if last is None else {
             "step": last["step"], "next": last["next"], "message_count": last["message_count"],
         },
-        "resumable": bool((last and last["next"]) or pending) and not busy,
+        "resumable": bool((last and last["next"]) or pending) and not busy and not waiting,
         "roles": [m["role"] for m in dtos],
         # Only when there is one, so the shape stays the seed's in every other case.
         **({"pending": [m["content"] for m in pending]} if pending else {}),
