@@ -337,3 +337,36 @@ def test_two_processes_approving_the_same_gate_make_one_run(ledger_lab):
         assert (answer["data"].get("run") == approval_run
                 or answer["data"].get("code") == "SESSION_IN_PROGRESS"), answers
     assert payments(ledger_lab) == [("alice", 30)]
+
+
+def test_the_http_api_shows_the_gate_and_takes_approvals_that_name_it(ledger_lab):
+    """`sophos-lab serve`: the conversation's `approval`, `POST .../approve` (a repeat is the first
+    run, marked replayed), a changed decision refused, a bad body refused, nothing written."""
+    with ledger_lab.server() as server:
+        server.chat(PAY)
+        waiting = server.wait_final()
+        conversation = waiting["data"]["conversation"]
+        shown = server.request("GET", f"/api/conversations/{conversation}").json()
+        gate = shown["approval"]["gate"]
+        resumed = server.request("POST", "/api/chat", json={"resume": True, "conversation": conversation})
+        bad = server.request("POST", f"/api/conversations/{conversation}/approve", json={"decision": "yes"})
+        mismatch = server.request("POST", f"/api/conversations/{conversation}/approve",
+                                  json={"decisions": {"not-a-call": "approve"}})
+        paid_before = payments(ledger_lab)
+        server.approve(conversation, gate=gate)
+        approved = server.wait_final()
+        again = server.request("POST", f"/api/conversations/{conversation}/approve", json={"gate": gate})
+        changed = server.request("POST", f"/api/conversations/{conversation}/reject", json={"gate": gate})
+        after = server.request("GET", f"/api/conversations/{conversation}").json()
+
+    assert (waiting["data"]["status"], shown["resumable"], shown["next"]) == ("waiting", False, ["tools"])
+    assert shown["approval"]["calls"][0]["args"] == {"to": "alice", "amount": 30}
+    assert (resumed.status_code, resumed.json()["error"]["code"]) == (409, RUN_WAITING)
+    assert (bad.status_code, bad.json()["error"]["code"]) == (400, BAD_REQUEST)
+    assert (mismatch.status_code, mismatch.json()["error"]["code"]) == (422, APPROVAL_MISMATCH)
+    assert paid_before == []
+    assert approved["data"]["status"] == "completed"
+    assert (again.status_code, again.json()["run"], again.headers.get("idempotent-replayed")) == (
+        200, approved["data"]["run"], "true")
+    assert (changed.status_code, changed.json()["error"]["code"]) == (409, GATE_DECIDED)
+    assert after["approval"] is None and payments(ledger_lab) == [("alice", 30)]

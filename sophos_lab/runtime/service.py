@@ -49,7 +49,7 @@ from .ownership import Owner
 from .retention import Removal, Vacuum
 from .settings import Settings
 from .store import (
-    PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, Run, Store, decode_cursor, page_size, unapplied_input,
+    PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, Run, Store, decode_cursor, page_size, unapplied_input,
 )
 from .tools import McpTools, approval_rule, mcp_servers
 
@@ -396,14 +396,18 @@ class AgentService:
     def first_run_of(self, keyed: IdempotencyKey) -> ActiveRun | None:
         """The run an idempotency key started (None if it started none), refused with
         `IDEMPOTENCY_KEY_REUSED` if that was for another request."""
+        first = self.keyed_run(keyed)
+        return None if first is None else self._run_as_started(first.run_id)
+
+    def keyed_run(self, keyed: IdempotencyKey) -> KeyedRun | None:
+        """The row of the run an idempotency key started (None if none), refused with
+        `IDEMPOTENCY_KEY_REUSED` if that was for another request."""
         first = self.store.keyed_run(keyed.key)
-        if first is None:
-            return None
-        if first.request != keyed.request:
+        if first is not None and first.request != keyed.request:
             raise SophosError(errors.IDEMPOTENCY_KEY_REUSED, (
                 f"The idempotency key {keyed.key!r} started run {first.run_id} with a different request; "
                 "use a new key for a new request."))
-        return self._run_as_started(first.run_id)
+        return first
 
     def _keyed(self, key: str | IdempotencyKey | None, request: str) -> IdempotencyKey | None:
         if key is None or isinstance(key, IdempotencyKey):

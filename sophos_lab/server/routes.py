@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -72,13 +73,9 @@ def idempotency_key(request: Request) -> str | None:
 
 def repeat_of(service: AgentService, keyed: IdempotencyKey) -> JSONResponse | None:
     """The first answer to a key that started a run already; None if it started none."""
-    first = service.store.keyed_run(keyed.key)
+    first = service.keyed_run(keyed)
     if first is None:
         return None
-    if first.request != keyed.request:
-        raise SophosError(errors.IDEMPOTENCY_KEY_REUSED, (
-            f"The Idempotency-Key {keyed.key!r} started run {first.run_id} with a different request; "
-            "use a new key for a new request."))
     return JSONResponse({"conversation": first.conversation_id, "run": first.run_id},
                         headers={"Idempotent-Replayed": "true"})
 
@@ -226,15 +223,12 @@ async def cancel_run(request: Request) -> Response:
 async def approve_run(request: Request) -> Response:
     """`POST /api/conversations/<uuid>/approve` (kit only), body `{"decisions": {tool_call_id:
     "approve" | "reject" | {"decision", "reason"?, "args"?}}}`, or `{"gate": id}` to approve
-    every call the gate holds (`{}`: of the gate waiting now; a retry should name the gate): the decisions are recorded and a run carries them on; 200 `{conversation, run}`, then
-    follow it with `GET /api/chat`. The same decisions again answer with the run they started
+    every call the gate holds (`{}`: of the gate waiting now; a retry should name the gate): the
+    decisions are recorded and a run carries them on; 200 `{conversation, run}`, then follow it
+    with `GET /api/chat`. The same decisions again answer with the run they started
     (`Idempotent-Replayed: true`); 409 `NO_APPROVAL_PENDING` / `GATE_DECIDED`, 422
     `APPROVAL_MISMATCH`."""
-    conversation = conversation_id(request.path_params["conversation"])
-    body = await json_object(request, request.app.state.options.max_body_bytes)
-    unknown = set(body) - {"decisions", "gate"}
-    if unknown:
-        raise SophosError(errors.BAD_REQUEST, f"Unknown fields {sorted(unknown)}: give decisions, gate, or both")
+    conversation, body = await decision_request(request, ("decisions", "gate"))
     run = await service_of(request).approve(conversation, body.get("decisions"), body.get("gate"))
     return started_response(run)
 
@@ -242,13 +236,19 @@ async def approve_run(request: Request) -> Response:
 async def reject_run(request: Request) -> Response:
     """`POST /api/conversations/<uuid>/reject` (kit only), body `{"reason"?, "gate"?}`: reject
     every call the gate holds; answers as `approve`."""
-    conversation = conversation_id(request.path_params["conversation"])
-    body = await json_object(request, request.app.state.options.max_body_bytes)
-    unknown = set(body) - {"reason", "gate"}
-    if unknown:
-        raise SophosError(errors.BAD_REQUEST, f"Unknown fields {sorted(unknown)}: give reason, gate, or both")
+    conversation, body = await decision_request(request, ("reason", "gate"))
     run = await service_of(request).reject(conversation, body.get("reason"), body.get("gate"))
     return started_response(run)
+
+
+async def decision_request(request: Request, fields: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    """The conversation and the JSON body of an approve or reject, which may hold only `fields`."""
+    conversation = conversation_id(request.path_params["conversation"])
+    body = await json_object(request, request.app.state.options.max_body_bytes)
+    unknown = set(body) - set(fields)
+    if unknown:
+        raise SophosError(errors.BAD_REQUEST, f"Unknown fields {sorted(unknown)}: give {', '.join(fields)}, or none")
+    return conversation, body
 
 
 def started_response(run) -> JSONResponse:
