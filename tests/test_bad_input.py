@@ -1,8 +1,12 @@
 """Bad input is refused with a clear error, and the database is intact afterwards."""
 
 import asyncio
+import base64
+import json
+import shutil
 import sqlite3
 import uuid
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pytest
@@ -14,7 +18,9 @@ from sophos_lab.runtime.errors import (
     AGENT_FAILURE, BAD_REQUEST, CONFIG_ERROR, NOT_FOUND, RUN_NOT_RESUMABLE, SCHEMA_TOO_NEW, SophosError,
 )
 from sophos_lab.runtime.service import parse_conversation_id
+from sophos_lab.runtime.store import ListingPosition, encode_cursor
 from sophos_lab.runtime.tools import load_mcp_config
+from test_server import refusal as envelope
 
 VIEWS = [
     views.peek_runs, views.checkpoints, views.pending_writes, views.messages, views.thread_view,
@@ -36,6 +42,25 @@ async def refusal(call) -> SophosError:
     with pytest.raises(SophosError) as refused:
         await call()
     return refused.value
+
+
+def row_counts(path) -> dict[str, int]:
+    """How many rows each table of the database holds (read-only): what a refusal must not change."""
+    conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+    try:
+        tables = [name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {table: conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0] for table in tables}
+    finally:
+        conn.close()
+
+
+def fetch_needs_approval(config: Path) -> Path:
+    """`config` with every fetch tool behind an approval gate: a run that fetches waits there."""
+    path = config / "mcp.json"
+    servers = json.loads(path.read_text())
+    servers["fetch"]["approval"] = True
+    path.write_text(json.dumps(servers, indent=2))
+    return config
 
 
 # --- conversation ids ----------------------------------------------------------------------
@@ -106,6 +131,79 @@ async def test_an_unknown_conversation_is_not_found(open_service, copied, db_pat
     assert {error.code for error in refusals} == {NOT_FOUND}
     assert unknown in refusals[0].message
     assert integrity(db_path) == "ok"
+
+
+# --- page cursors --------------------------------------------------------------------------
+
+BAD_CURSORS = {
+    "rowid-too-large-for-sqlite": "WyJhIiwgOTk5OTk5OTk5OTk5OTk5OTk5OTk5OTld",  # ["a", 99999999999999999999999]
+    "lone-surrogate": "WyJcdWQ4MDAiLCAxXQ",  # ["\ud800", 1]
+}
+
+
+@pytest.mark.parametrize("cursor", BAD_CURSORS.values(), ids=BAD_CURSORS.keys())
+async def test_a_cursor_naming_no_possible_position_is_a_bad_request(open_service, copied, db_path, cursor):
+    async with open_service() as agent:
+        before = row_counts(db_path)
+        with pytest.raises(SophosError) as refused:
+            agent.conversation_page(2, cursor)
+        assert row_counts(db_path) == before
+
+    assert refused.value.code == BAD_REQUEST
+    assert refused.value.message.startswith(f"Invalid cursor: {cursor!r}.")
+
+
+async def test_a_cursor_is_only_ever_taken_exactly_as_the_kit_wrote_it(open_service, copied):
+    """Base64 and JSON have other spellings of the same position (padding, spare bits in the
+    last character, spaces): each is a cursor the kit never gave, refused, not read as its own."""
+    updated_at, rowid = "2026-01-01T00:00:00.000000+00:00", 3
+    given = encode_cursor(ListingPosition(updated_at, rowid))
+    respelled = {
+        "padded": given + "=",
+        "spare bits set": given[:-1] + chr(ord(given[-1]) + 1),
+        "JSON with a space": base64.urlsafe_b64encode(json.dumps([updated_at, rowid]).encode()).decode().rstrip("="),
+    }
+    async with open_service() as agent:
+        refusals = {}
+        for label, cursor in respelled.items():
+            with pytest.raises(SophosError) as refused:
+                agent.conversation_page(2, cursor)
+            refusals[label] = refused.value.code
+        assert agent.conversation_page(2, given).next_cursor is None  # the kit's own spelling is read
+
+    assert refusals == dict.fromkeys(respelled, BAD_REQUEST)
+
+
+# --- approvals -----------------------------------------------------------------------------
+
+
+async def test_a_gate_or_tool_call_id_utf8_cannot_store_is_a_bad_request_and_decides_nothing(
+    lab, open_service, config_dir, db_path,
+):
+    fetch_needs_approval(config_dir)
+    async with open_service() as agent:
+        run = await agent.chat(f"Fetch {lab.page('index.html')}")
+        assert (await run.wait()).data["status"] == "waiting"
+        before = row_counts(db_path)
+        refusals = {}
+        for label, decide in {
+            "approve the gate": lambda: agent.approve(run.conversation, None, gate="\ud800"),
+            "reject the gate": lambda: agent.reject(run.conversation, "no", gate="\ud800"),
+            "a decision's tool call id": lambda: agent.approve(run.conversation, {"\ud800": "approve"}),
+        }.items():
+            refused = await refusal(decide)
+            refusals[label] = (refused.code, refused.message)
+        assert row_counts(db_path) == before
+        assert agent.pending_approval(run.conversation) is not None  # the gate still waits
+
+    assert refusals == {
+        "approve the gate": (BAD_REQUEST, "The gate id is not valid Unicode: a lone surrogate '\\ud800' at "
+                                          "position 0. Nothing was decided."),
+        "reject the gate": (BAD_REQUEST, "The gate id is not valid Unicode: a lone surrogate '\\ud800' at "
+                                         "position 0. Nothing was decided."),
+        "a decision's tool call id": (BAD_REQUEST, "The tool call id is not valid Unicode: a lone surrogate "
+                                                   "'\\ud800' at position 0. Nothing was decided."),
+    }
 
 
 # --- messages ------------------------------------------------------------------------------
@@ -324,3 +422,99 @@ async def test_a_database_with_a_newer_schema_is_refused_and_left_unchanged(open
     conn.close()
     assert integrity(newer_schema) == "ok"
 
+
+# --- over HTTP ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(lab, tmp_path_factory):
+    """`sophos-lab serve` on a database of its own, its fetch tool behind an approval gate, and
+    the default body limit (1 MiB), so that a deeply nested body reaches the JSON parser."""
+    root = tmp_path_factory.mktemp("bad-input-server")
+    config = fetch_needs_approval(shutil.copytree(lab.config_dir, root / "config"))
+    with lab.server(DATABASE_PATH=str(root / "sophos.db"), CONFIG_DIR=str(config),
+                    MEMORY_FILE_PATH=str(root / "memory.jsonl")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def waiting(server, lab) -> str:
+    """A conversation of the module's server whose run waits at its gate."""
+    server.chat(f"Fetch {lab.page('index.html')}")
+    final = server.wait_final()
+    assert final["data"]["status"] == "waiting", final
+    return final["data"]["conversation"]
+
+
+def server_rows(server) -> dict[str, int]:
+    return row_counts(Path(server.env["DATABASE_PATH"]))
+
+
+@pytest.mark.parametrize("cursor", BAD_CURSORS.values(), ids=BAD_CURSORS.keys())
+def test_a_cursor_naming_no_possible_position_is_a_400(server, waiting, cursor):
+    before = server_rows(server)
+    response = server.request("GET", "/api/conversations", params={"cursor": cursor})
+
+    assert envelope(response)[:2] == (400, BAD_REQUEST)
+    assert server_rows(server) == before
+
+
+@pytest.mark.parametrize("depth", [2_000, 100_000])
+@pytest.mark.parametrize("endpoint", ["/api/chat", "/api/conversations/{}/approve", "/api/conversations/{}/reject"])
+def test_a_json_body_nested_too_deeply_is_a_400_and_writes_nothing(server, waiting, endpoint, depth):
+    body = b'{"message": "hello", "nested": ' + b"[" * depth + b"]" * depth + b"}"
+    before = server_rows(server)
+    response = server.request("POST", endpoint.format(waiting), content=body,
+                              headers={"Content-Type": "application/json"})
+
+    assert envelope(response) == (400, BAD_REQUEST, "Request body is JSON nested too deeply to read; nothing was stored.")
+    assert server_rows(server) == before
+
+
+@pytest.mark.parametrize("endpoint, body", [
+    ("approve", b'{"gate": "\\ud800"}'),
+    ("reject", b'{"gate": "\\ud800"}'),
+    ("approve", b'{"decisions": {"\\ud800": "approve"}}'),
+], ids=["approve-gate", "reject-gate", "decision-key"])
+def test_a_gate_or_tool_call_id_utf8_cannot_store_is_a_400_and_decides_nothing(server, waiting, endpoint, body):
+    before = server_rows(server)
+    response = server.request("POST", f"/api/conversations/{waiting}/{endpoint}", content=body,
+                              headers={"Content-Type": "application/json"})
+    shown = server.request("GET", f"/api/conversations/{waiting}").json()
+
+    status, code, message = envelope(response)
+    assert (status, code) == (400, BAD_REQUEST)
+    assert "lone surrogate '\\ud800'" in message
+    assert shown["approval"] is not None  # the gate still waits
+    assert server_rows(server) == before
+
+
+AROUND_AN_ID = {"trailing newline": "{}%0a", "trailing CRLF": "{}%0d%0a", "leading newline": "%0a{}",
+                "trailing space": "{}%20", "leading tab": "%09{}"}
+ID_ROUTES = [("GET", ""), ("GET", "/export"), ("GET", "/runs"),
+             ("POST", "/cancel"), ("POST", "/approve"), ("POST", "/reject")]
+
+
+def test_an_id_with_whitespace_around_it_is_a_400_on_every_route(server, waiting):
+    """The id is of a conversation that exists: were the whitespace dropped, the route would
+    answer for it."""
+    before = server_rows(server)
+    answers = {
+        (around, method, endpoint): envelope(server.request(
+            method, f"/api/conversations/{spelling.format(waiting)}{endpoint}",
+            **({"json": {}} if method == "POST" else {})))
+        for around, spelling in AROUND_AN_ID.items() for method, endpoint in ID_ROUTES
+    }
+
+    assert answers == dict.fromkeys(answers, (400, BAD_REQUEST, "Invalid Conversation ID"))
+    assert server_rows(server) == before
+
+
+def test_a_path_with_a_trailing_newline_names_no_endpoint(server, waiting):
+    before = server_rows(server)
+    chat = server.request("POST", "/api/chat%0a", json={"message": "hello"})
+    listing = server.request("GET", "/api/conversations%0a")
+
+    assert envelope(chat) == (404, NOT_FOUND, "No such endpoint: /api/chat\n")
+    assert envelope(listing) == (404, NOT_FOUND, "No such endpoint: /api/conversations\n")
+    assert server_rows(server) == before

@@ -76,15 +76,28 @@ def parse_message(value: object) -> str:
     """
     if not isinstance(value, str) or not value.strip():
         raise SophosError(errors.BAD_REQUEST, "A message is required (it may not be empty).")
+    return storable(value, "The message", "Nothing was stored.")
+
+
+def parse_id(value: object, what: str) -> str:
+    """A gate's or a tool call's id (`what` names which): a non-empty string that UTF-8 can
+    encode, as every id stored in the database is; anything else can name nothing there."""
+    if not isinstance(value, str) or not value:
+        raise SophosError(errors.BAD_REQUEST, f"{what} {value!r} is not a non-empty string. Nothing was decided.")
+    return storable(value, what, "Nothing was decided.")
+
+
+def storable(text: str, what: str, outcome: str) -> str:
+    """`text` if UTF-8 can encode it (SQLite holds UTF-8), else a `BAD_REQUEST`: a lone surrogate
+    (`"\\ud800"`) has no UTF-8 form, and storing it would alter it."""
     try:
-        value.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as error:
         raise SophosError(
             errors.BAD_REQUEST,
-            f"The message is not valid Unicode: a lone surrogate {value[error.start]!r} at "
-            f"position {error.start}. Nothing was stored.",
+            f"{what} is not valid Unicode: a lone surrogate {text[error.start]!r} at position {error.start}. {outcome}",
         ) from None
-    return value
+    return text
 
 
 def parse_decisions(value: object) -> dict[str, dict[str, Any]]:
@@ -99,8 +112,7 @@ def parse_decisions(value: object) -> dict[str, dict[str, Any]]:
         raise bad('give a mapping of tool call ids to "approve" or "reject" (or {"decision", "reason"})')
     decisions = {}
     for call_id, decision in value.items():
-        if not isinstance(call_id, str) or not call_id:
-            raise bad(f"the tool call id {call_id!r} is not a non-empty string")
+        call_id = parse_id(call_id, "The tool call id")
         if isinstance(decision, str):
             decision = {"decision": decision}
         if not isinstance(decision, Mapping):
@@ -499,6 +511,7 @@ class AgentService:
             raise SophosError(errors.BAD_REQUEST, f"A reason must be text that is not blank, not {reason!r}. Nothing was decided.")
         if reason is not None:
             parse_message(reason)  # text UTF-8 can store exactly
+        gate = None if gate is None else parse_id(gate, "The gate id")
         target = self._target_gate(conversation_id, self.pending_approval(conversation_id), gate, None)
         return await self.approve(conversation_id, every_call(target, REJECT, reason), gate=target.id)
 
@@ -508,7 +521,7 @@ class AgentService:
         decisions name (a retry, while a later gate may wait), else the one waiting now, else
         (nothing waits, no decisions given) the latest one, decided: a repeat."""
         if gate is not None:
-            named = self.store.gate(conversation_id, gate) if isinstance(gate, str) else None
+            named = self.store.gate(conversation_id, gate)
             if named is None:
                 raise SophosError(errors.NO_APPROVAL_PENDING, f"No gate {gate!r} on conversation {conversation_id}.")
             return named
@@ -701,6 +714,7 @@ class AgentService:
         conn = await aiosqlite.connect(self.settings.database_path)
         await conn.execute("PRAGMA busy_timeout = 5000")
         saver = NotifyingSaver(conn, lock=shared_lock(self.settings.database_path))
+        saver.on_write = self._observe
         await saver.setup()
         if not self.settings.single_owner:
             await saver.fence(self.store.owner.id)

@@ -210,8 +210,9 @@ def encode_cursor(position: ListingPosition) -> str:
 
 
 def decode_cursor(cursor: object) -> ListingPosition:
-    """The position a cursor from `encode_cursor` names; anything else is a `BAD_REQUEST`,
-    never the first page: a client that mangled its cursor must not start over unawares."""
+    """The position a cursor from `encode_cursor` names, given exactly as it wrote it; anything
+    else is a `BAD_REQUEST`, never the first page: a client that mangled its cursor must not
+    start over unawares."""
     shown = repr(cursor) if len(repr(cursor)) <= 60 else repr(cursor)[:57] + "..."
     bad = SophosError(
         BAD_REQUEST,
@@ -223,11 +224,17 @@ def decode_cursor(cursor: object) -> ListingPosition:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         updated_at, rowid = json.loads(raw)
-    except (binascii.Error, ValueError, TypeError):
+        if isinstance(updated_at, str):
+            updated_at.encode("utf-8")  # JSON's \u escapes spell lone surrogates, which SQLite cannot bind
+    except (binascii.Error, ValueError, TypeError):  # UnicodeEncodeError is a ValueError
         raise bad from None
-    if not isinstance(updated_at, str) or type(rowid) is not int or rowid < 1:
+    if not isinstance(updated_at, str) or type(rowid) is not int or not 1 <= rowid <= 2**63 - 1:  # SQLite's integers
         raise bad
-    return ListingPosition(updated_at, rowid)
+    position = ListingPosition(updated_at, rowid)
+    # Base64 and JSON have other spellings of one position (padding, spare bits, spaces).
+    if encode_cursor(position) != cursor:
+        raise bad
+    return position
 
 
 def page_size(limit: object) -> int:

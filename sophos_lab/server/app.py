@@ -32,7 +32,7 @@ from ..runtime.errors import SophosError
 from ..runtime.service import AgentService
 from ..runtime.settings import Settings, positive
 from .auth import BearerToken
-from .routes import API
+from .routes import API, ExactRoute
 from .wire import INTERNAL_ERROR, METHOD_NOT_ALLOWED, error_response, refusal
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def create_app(settings: Settings, options: ServerOptions | None = None) -> Star
             await service.shutdown()
 
     app = Starlette(
-        routes=[*API, Route("/", web_page, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC))],
+        routes=[*API, ExactRoute("/", web_page, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC))],
         middleware=[Middleware(BearerToken, token=options.token)] if options.token else [],
         exception_handlers={SophosError: _refused, HTTPException: _http_error, Exception: _failed},
         lifespan=lifespan,
@@ -112,15 +112,16 @@ async def _refused(request: Request, error: Exception) -> Response:
 async def _http_error(request: Request, error: Exception) -> Response:
     """Starlette's own 404 and 405, in the error envelope."""
     assert isinstance(error, HTTPException)
+    path = request.scope["path"]  # as routed: `request.url` drops tabs and newlines (urllib's urlsplit)
     if error.status_code == 405:
         allowed = sorted({
             method for route in request.app.routes if isinstance(route, Route)
-            and route.path_regex.fullmatch(request.url.path) for method in route.methods or ()
+            and route.path_regex.fullmatch(path) for method in route.methods or ()
         })
-        return error_response(METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {request.url.path}",
+        return error_response(METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {path}",
                               {"Allow": ", ".join(allowed)})
     if error.status_code == 404:
-        return error_response(errors.NOT_FOUND, f"No such endpoint: {request.url.path}")
+        return error_response(errors.NOT_FOUND, f"No such endpoint: {path}")
     response = error_response(f"HTTP_{error.status_code}", error.detail)
     response.status_code = error.status_code
     return response

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -30,6 +31,16 @@ from .wire import (
 log = logging.getLogger(__name__)
 
 _KEY = re.compile(r"[\x21-\x7e]{1,255}")
+
+
+class ExactRoute(Route):
+    """A route that matches the whole path, newlines included. Starlette ends its patterns in
+    `$`, which also matches before a trailing newline, and its `{name:path}` (`.*`) stops at a
+    newline: `/api/chat%0a` was `/api/chat`, and `/api/conversations/<uuid>%0a` named <uuid>."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **options: Any) -> None:
+        super().__init__(path, endpoint, **options)
+        self.path_regex = re.compile(self.path_regex.pattern.removesuffix("$") + r"\Z", re.DOTALL)
 
 
 def service_of(request: Request) -> AgentService:
@@ -59,6 +70,8 @@ async def json_object(request: Request, limit: int) -> dict:
         value = json.loads(body)
     except ValueError:  # not JSON, or not UTF-8
         raise SophosError(errors.BAD_REQUEST, "Request body must be JSON") from None
+    except RecursionError:  # json recurses once per level: Python's recursion limit stops it near 1,000
+        raise SophosError(errors.BAD_REQUEST, "Request body is JSON nested too deeply to read; nothing was stored.") from None
     if not isinstance(value, dict):
         raise SophosError(errors.BAD_REQUEST, "Request body must be a JSON object")
     return value
@@ -270,17 +283,17 @@ async def readyz(request: Request) -> Response:
 
 
 API = [
-    Route("/api/chat", start_chat, methods=["POST"]),
-    Route("/api/chat", follow_chat, methods=["GET"]),
-    Route("/api/conversations", list_conversations, methods=["GET"]),
-    Route("/api/conversations/{conversation}/export", export_conversation, methods=["GET"]),
-    Route("/api/conversations/{conversation}/runs", list_runs, methods=["GET"]),
+    ExactRoute("/api/chat", start_chat, methods=["POST"]),
+    ExactRoute("/api/chat", follow_chat, methods=["GET"]),
+    ExactRoute("/api/conversations", list_conversations, methods=["GET"]),
+    ExactRoute("/api/conversations/{conversation}/export", export_conversation, methods=["GET"]),
+    ExactRoute("/api/conversations/{conversation}/runs", list_runs, methods=["GET"]),
     # Run control, before the catch-all below.
-    Route("/api/conversations/{conversation}/cancel", cancel_run, methods=["POST"]),
-    Route("/api/conversations/{conversation}/approve", approve_run, methods=["POST"]),
-    Route("/api/conversations/{conversation}/reject", reject_run, methods=["POST"]),
+    ExactRoute("/api/conversations/{conversation}/cancel", cancel_run, methods=["POST"]),
+    ExactRoute("/api/conversations/{conversation}/approve", approve_run, methods=["POST"]),
+    ExactRoute("/api/conversations/{conversation}/reject", reject_run, methods=["POST"]),
     # Any other path under a conversation is not a conversation id: the original's 400.
-    Route("/api/conversations/{conversation:path}", get_conversation, methods=["GET"]),
-    Route("/api/healthz", healthz, methods=["GET"]),
-    Route("/api/readyz", readyz, methods=["GET"]),
+    ExactRoute("/api/conversations/{conversation:path}", get_conversation, methods=["GET"]),
+    ExactRoute("/api/healthz", healthz, methods=["GET"]),
+    ExactRoute("/api/readyz", readyz, methods=["GET"]),
 ]
