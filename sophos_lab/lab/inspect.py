@@ -21,6 +21,7 @@ import pandas as pd
 
 from ..runtime.export import checkpoint_record
 from ..runtime.messages import message_dtos, pending_dtos
+from ..runtime.progress import is_resumable, work_left
 from ..runtime.service import parse_conversation_id, thread_config
 from ..runtime.store import has_table, read_only, unapplied_input
 
@@ -205,10 +206,11 @@ def _history(db_path: str | Path, conversation: str) -> list[Any]:
 
 
 def _latest(db_path: str | Path, conversation: str) -> Any | None:
-    """The thread's latest `StateSnapshot`, the last of `_history` (None when nothing was
-    checkpointed), without rebuilding every checkpoint before it."""
-    return _read_thread(db_path, conversation,
-                        lambda graph, _, config: next(iter(graph.get_state_history(config, limit=1)), None))
+    """The thread as the runtime sees it (None when nothing was checkpointed): its latest
+    checkpoint, live, as `AgentService.get_conversation` reads it — with the output of a task
+    that finished after it (saved, not folded yet), and `work_left` the same."""
+    snapshot = _read_thread(db_path, conversation, lambda graph, _, config: graph.get_state(config))
+    return snapshot if snapshot is not None and snapshot.created_at is not None else None
 
 
 def _pruned_rows(db_path: str | Path, conversation: str) -> list[dict[str, Any]]:
@@ -300,7 +302,7 @@ def thread_view(db_path: str | Path, conversation: str) -> tuple[list[dict[str, 
     latest = _latest(db_path, conversation)
     messages = message_dtos(latest.values.get("messages", [])) if latest is not None else []
     pending = pending_dtos(_pending(peek_runs(db_path, conversation), latest))
-    return messages + pending, tuple(latest.next) if latest is not None else ()
+    return messages + pending, work_left(latest)
 
 
 def messages(db_path: str | Path, conversation: str) -> pd.DataFrame:
@@ -322,9 +324,11 @@ def messages(db_path: str | Path, conversation: str) -> pd.DataFrame:
 def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
     """What the seed's `state()` shell helper prints: runs, the last checkpoint, resumable, roles.
 
-    `resumable` here is `next` non-empty (or a message accepted that never reached the thread,
-    then listed under `pending`), no run of this conversation recorded `running`, and the latest
-    run is not `waiting` at an approval gate (that one goes on with a decision, not a resume).
+    `resumable` here is the rule the runtime applies (`progress.is_resumable`): work left on the
+    thread — `next`, which counts a task that finished but whose step has no checkpoint yet —
+    or a message accepted that never reached the thread (then listed under `pending`); no run
+    of this conversation recorded `running`; and the latest run is not `waiting` at an approval
+    gate (that one goes on with a decision, not a resume).
     """
     conversation = parse_conversation_id(conversation)  # None would read every run
     runs = peek_runs(db_path, conversation)
@@ -337,9 +341,9 @@ def state(db_path: str | Path, conversation: str) -> dict[str, Any]:
     return {
         "runs": [(row.status, row.error_code) for row in runs.itertuples()],
         "last_checkpoint": None if last is None else {
-            "step": last["step"], "next": last["next"], "message_count": last["message_count"],
+            "step": last["step"], "next": list(work_left(latest)), "message_count": last["message_count"],
         },
-        "resumable": bool((last and last["next"]) or pending) and not busy and not waiting,
+        "resumable": is_resumable(work_left(latest), bool(pending), busy or waiting),
         "roles": [m["role"] for m in dtos],
         # Only when there is one, so the shape stays the seed's in every other case.
         **({"pending": [m["content"] for m in pending]} if pending else {}),

@@ -22,7 +22,11 @@ sends SIGUSR1 (see `ChildRuntime.install_signal_handlers`); the answer is the sa
 
 For crash tests, `SOPHOS_LAB_STOP_AFTER_EVENT=N` makes the child SIGSTOP itself right after it
 has written and flushed the N-th event (by event id) of the first run it follows, so a parent
-that waits for that event can kill it at exactly that point.
+that waits for that event can kill it at exactly that point. `SOPHOS_LAB_STOP_AFTER_WRITE=N`
+stops it right after the N-th commit its runs make (the run's row, a task's pending writes, a
+checkpoint, an outcome: see `DurableWrite`), before anything is told of it, once it has written
+a `write-stop` line `{n, write}`: points that no event marks, such as a step's writes committed
+and its checkpoint not yet.
 """
 
 from __future__ import annotations
@@ -108,8 +112,23 @@ class ChildRuntime:
         self._stop_after = int(os.environ.get("SOPHOS_LAB_STOP_AFTER_EVENT") or 0)
         """Stop (SIGSTOP) right after writing this event of the first run followed (0: never)."""
         self._runs_followed = 0
+        stop_at_write = int(os.environ.get("SOPHOS_LAB_STOP_AFTER_WRITE") or 0)
+        if stop_at_write:
+            self.service.on_write = self._stop_at_write(stop_at_write)
         self._request_dir: Path | None = None
         self._requests: set[asyncio.Task] = set()
+
+    def _stop_at_write(self, n: int) -> Callable[[Any], None]:
+        commits = 0
+
+        def counted(write: Any) -> None:
+            nonlocal commits
+            commits += 1
+            if commits == n:
+                self.emit({"event": "write-stop", "data": {"n": n, "write": write.describe()}})
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        return counted
 
     def install_signal_handlers(self, request_dir: str | Path | None = None) -> None:
         """SIGTERM shuts the child down (see the module's docstring). With `request_dir` (a kernel

@@ -419,13 +419,17 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver, *, 
         return await node.ainvoke(state, config)
 
     builder = StateGraph(schema)
-    for name, node in (("agent", agent), ("tools", tools)):
+    for name, node in zip(AGENT_NODES, (agent, tools)):
         retry, timeout = node_policies(name, settings)
         builder.add_node(name, node, retry_policy=retry, timeout=timeout)
     builder.add_edge(START, "agent")
     builder.add_conditional_edges("agent", route_after_agent, ["tools", END])
     builder.add_edge("tools", "agent")
     return builder.compile(checkpointer=checkpointer)
+
+
+AGENT_NODES = ("agent", "tools")
+"""The graph's nodes: START → agent ⇄ tools → END."""
 
 
 def route_after_agent(state: State) -> str:

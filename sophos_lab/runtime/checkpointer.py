@@ -7,6 +7,9 @@
   transaction) every checkpoint and pending write for a thread on which this owner does not
   hold the `running` run. A process that lost its run to another one, say after being frozen
   past its lease, can then write nothing over the new owner's work.
+- **Every commit observable.** `on_write`, when set, is called right after each commit of a
+  checkpoint or a task's pending writes, before anything is told: crash tests stop the process
+  exactly there (see `DurableWrite`), where no event marks the moment.
 - **A write is never cut in half.** A run stopped by cancelling its task (`cancel()`, or a
   shutdown whose drain timed out) may be inside a write, between its INSERT and its commit: the
   write goes on to its commit (the listener is told), then the cancel goes on. Cut there, the
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,40 @@ END
 
 def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
+
+
+@dataclass(frozen=True)
+class DurableWrite:
+    """One commit the runtime made for a run, in the order it made them.
+
+    `kind` is `run` (the run's row with the messages it carries), `writes` (a task's pending
+    writes: `node` and the `channels` it wrote, `__error__` and `__interrupt__` included),
+    `checkpoint` (the checkpoint of `step`) or `outcome` (the run's recorded end, `status`).
+    """
+
+    kind: str
+    conversation: str
+    step: int | None = None
+    node: str | None = None
+    channels: tuple[str, ...] = ()
+    status: str | None = None
+
+    def describe(self) -> str:
+        if self.kind == "writes":
+            return f"writes {self.node} ({', '.join(self.channels)})"
+        if self.kind == "checkpoint":
+            return f"checkpoint step {self.step}"
+        if self.kind == "outcome":
+            return f"outcome {self.status}"
+        return self.kind
+
+
+WriteObserver = Callable[[DurableWrite], None]
+
+
+def _task_node(task_path: str, task_id: str) -> str:
+    """The node a task ran, from the path LangGraph gives its writes (`~__pregel_pull, agent`)."""
+    return task_path.rsplit(",", 1)[-1].strip() if task_path else task_id
 
 
 _LOCKS: weakref.WeakValueDictionary[tuple[int, str], asyncio.Lock] = weakref.WeakValueDictionary()
@@ -68,6 +106,8 @@ class NotifyingSaver(AsyncSqliteSaver):
             self.lock = lock
         self.listeners: dict[str, Callable[[dict[str, Any]], None]] = {}
         """thread id → called with a checkpoint's metadata once it is committed."""
+        self.on_write: WriteObserver | None = None
+        """Called with each commit, before the thread's listener (see `DurableWrite`)."""
 
     async def fence(self, owner_id: str) -> None:
         """From now on, write only threads whose `running` run `owner_id` holds.
@@ -86,18 +126,29 @@ class NotifyingSaver(AsyncSqliteSaver):
         except asyncio.CancelledError:
             await asyncio.wait([write])
             if not write.cancelled() and write.exception() is None:
+                self._observe(config, "checkpoint", step=metadata.get("step"))
                 self._tell(config, metadata)
             raise
+        self._observe(config, "checkpoint", step=metadata.get("step"))
         self._tell(config, metadata)
         return saved
 
     async def aput_writes(self, config, writes, task_id, task_path=""):
         write = asyncio.ensure_future(super().aput_writes(config, writes, task_id, task_path))
+        observe = dict(node=_task_node(task_path, task_id), channels=tuple(channel for channel, _ in writes))
         try:
-            return await asyncio.shield(write)
+            written = await asyncio.shield(write)
         except asyncio.CancelledError:
             await asyncio.wait([write])
+            if not write.cancelled() and write.exception() is None:
+                self._observe(config, "writes", **observe)
             raise
+        self._observe(config, "writes", **observe)
+        return written
+
+    def _observe(self, config: Any, kind: str, **fields: Any) -> None:
+        if self.on_write is not None:
+            self.on_write(DurableWrite(kind, str(config["configurable"]["thread_id"]), **fields))
 
     def _tell(self, config: Any, metadata: dict[str, Any]) -> None:
         listener = self.listeners.get(str(config["configurable"]["thread_id"]))

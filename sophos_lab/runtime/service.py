@@ -37,15 +37,16 @@ from langgraph.types import Command
 
 from . import errors, retention
 from .agent import (
-    APPROVE, ATTEMPT_WATCH, CARRIED_DECISIONS, REJECT, AgentParts, AttemptWatch, build_graph, chat_model, check_config, classify_failure,
+    AGENT_NODES, APPROVE, ATTEMPT_WATCH, CARRIED_DECISIONS, REJECT, AgentParts, AttemptWatch, build_graph, chat_model, check_config, classify_failure,
     read_system_prompt,
 )
-from .checkpointer import NotifyingSaver, is_fenced, shared_lock
+from .checkpointer import DurableWrite, NotifyingSaver, WriteObserver, is_fenced, shared_lock
 from .errors import SophosError
 from .events import DurableGate, Event, StreamTranslator
 from .export import checkpoint_jsonl, markdown_transcript
 from .messages import message_dtos, pending_dtos
 from .ownership import Owner
+from .progress import is_resumable, unfolded, work_left
 from .retention import Removal, Vacuum
 from .settings import Settings
 from .store import (
@@ -172,6 +173,15 @@ def thread_config(conversation_id: str) -> dict[str, Any]:
     return {"configurable": {"thread_id": conversation_id}}
 
 
+@dataclass(frozen=True)
+class Fold:
+    """A step a stopped run finished (`nodes`, their writes saved) but did not checkpoint."""
+
+    nodes: tuple[str, ...]
+    run_id: str | None
+    """The run whose step it is: the one that wrote the latest checkpoint."""
+
+
 @dataclass
 class ConversationDetail:
     """A conversation as the UI shows it: summary, messages from the latest checkpoint, resumable."""
@@ -179,6 +189,7 @@ class ConversationDetail:
     conversation: Conversation
     messages: list[dict[str, Any]]
     next: tuple[str, ...]
+    """The work the thread has left (`progress.work_left`): empty once it has ended."""
     resumable: bool
     approval: Gate | None = None
     """The gate the conversation waits at (its latest run is `waiting`), else None."""
@@ -283,6 +294,10 @@ class AgentService:
         self._saver_conn = None
         self._opening = asyncio.Lock()
         self._lease_keeper: asyncio.Task | None = None
+        self.on_write: WriteObserver | None = None
+        """Called right after each commit a run makes, in order, before any event tells of it:
+        the run's row, each task's pending writes, each checkpoint, the outcome (see
+        `DurableWrite`). Crash tests stop the process there; a lesson can print them."""
 
     async def open(self) -> None:
         """Open the database (running recovery) and build the graph now, not on first use."""
@@ -332,11 +347,12 @@ class AgentService:
         pending = self._pending_input(summary.id, state.metadata)
         messages = message_dtos(state.values.get("messages", [])) + pending_dtos(pending)
         busy = summary.id in self.active or summary.status in ("running", "waiting")
+        work = work_left(state)
         return ConversationDetail(
             conversation=summary,
             messages=messages,
-            next=tuple(state.next),
-            resumable=bool(state.next or pending) and not busy,
+            next=work,
+            resumable=is_resumable(work, bool(pending), busy),
             approval=self.pending_approval(summary.id) if summary.status == "waiting" else None,
         )
 
@@ -403,7 +419,7 @@ class AgentService:
         carried = [] if new else await self._carried_input(conversation_id)
         messages = [*carried, {"id": str(uuid.uuid4()), "content": text}]
         return await self._launch(conversation_id, messages, resume=False, title=text if new else None,
-                                  idempotency=keyed)
+                                  idempotency=keyed, fold=None if new else await self._unfolded_step(conversation_id))
 
     def first_run_of(self, keyed: IdempotencyKey) -> ActiveRun | None:
         """The run an idempotency key started (None if it started none), refused with
@@ -457,7 +473,7 @@ class AgentService:
         self._check_not_waiting(conversation_id)
         state = await graph.aget_state(thread_config(conversation_id))
         pending = self._pending_input(conversation_id, state.metadata)
-        if not state.next and not pending:
+        if not work_left(state) and not pending:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")
         decided = self._decided_gate(conversation_id, state.interrupts)
         command = None if decided is None else Command(resume={decided.id: decided.decisions})
@@ -482,6 +498,7 @@ class AgentService:
         """
         conversation_id = self._existing(conversation).id
         asked = None if decisions is None else parse_decisions(decisions)
+        gate = None if gate is None else parse_id(gate, "The gate id")
         await self._graph_ready()
         await self._write(self.store.recover, conversation_id)
         pending = self.pending_approval(conversation_id)
@@ -727,6 +744,10 @@ class AgentService:
         )
         self._saver_conn, self._saver, self._graph = conn, saver, build_graph(parts, saver, settings=self.settings)
 
+    def _observe(self, write: DurableWrite) -> None:
+        if self.on_write is not None:
+            self.on_write(write)
+
     async def _write(self, write: Any, *args: Any) -> Any:
         """Run an app-table write on the loop, outside any transaction of the saver.
 
@@ -755,6 +776,20 @@ class AgentService:
             return []
         return self._pending_input(conversation_id, saved.metadata if saved else None)
 
+    async def _unfolded_step(self, conversation_id: str) -> Fold | None:
+        """The step a stopped run finished but did not checkpoint (see `progress`), which a new
+        message must fold into the thread first: LangGraph drops the pending writes of the
+        latest checkpoint's tasks when new input arrives. None in the common case (the last run
+        completed: its every step is checkpointed), read without touching the thread."""
+        latest = self.store.latest_run(conversation_id)
+        if latest is None or latest.status == "completed":
+            return None
+        state = await self._graph.aget_state(thread_config(conversation_id))
+        done = unfolded(state)
+        if not done:
+            return None
+        return Fold(nodes=done, run_id=(state.metadata or {}).get("run_id"))
+
     def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
         """The messages of the latest run if they never reached the thread, else [].
 
@@ -767,7 +802,7 @@ class AgentService:
     async def _launch(
         self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None,
         idempotency: IdempotencyKey | None = None, command: Command | None = None,
-        decision: tuple[Gate, dict[str, dict]] | None = None,
+        decision: tuple[Gate, dict[str, dict]] | None = None, fold: Fold | None = None,
     ) -> ActiveRun:
         """Write the run (with its messages, key and gate decision), then publish `started` and
         run the graph: with the messages, or `command` (a gate's decisions), or from `next`."""
@@ -778,6 +813,7 @@ class AgentService:
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
             self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision)
             self.active[conversation_id] = run
+            self._observe(DurableWrite("run", conversation_id))
 
         await self._write(start)
         self._keep_lease()
@@ -785,7 +821,7 @@ class AgentService:
         graph_input = command
         if messages:
             graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in messages]}
-        run.task = asyncio.create_task(self._execute(run, self._graph, graph_input))
+        run.task = asyncio.create_task(self._execute(run, self._graph, graph_input, fold))
         return run
 
     def _keep_lease(self) -> None:
@@ -813,7 +849,7 @@ class AgentService:
                     run.lost = True
                     run.control.request_drain("ownership lost")
 
-    async def _execute(self, run: ActiveRun, graph: Any, graph_input: Any) -> None:
+    async def _execute(self, run: ActiveRun, graph: Any, graph_input: Any, fold: Fold | None = None) -> None:
         config = {
             **thread_config(run.conversation),
             "metadata": {"run_id": run.id},
@@ -837,6 +873,8 @@ class AgentService:
         status, error = "completed", None
         run.in_graph = True
         try:
+            if fold is not None:
+                await self._fold(graph, run, fold)
             async for mode, chunk in graph.astream(
                 graph_input, config, stream_mode=["messages", "debug"], durability="sync",
                 control=run.control,
@@ -871,6 +909,8 @@ class AgentService:
                     status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
                 recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at)
                 run.recorded = True
+                if recorded:
+                    self._observe(DurableWrite("outcome", run.conversation, status=status))
                 return recorded
 
             write = asyncio.ensure_future(self._write(record))
@@ -898,6 +938,17 @@ class AgentService:
                                       "data": {"gate": stopped_at.id, "calls": stopped_at.calls}})
             run.publish("end", self._end_data(run.conversation, run.id, status, stopped_at))
         self.active.pop(run.conversation, None)
+
+    @staticmethod
+    async def _fold(graph: Any, run: ActiveRun, fold: Fold) -> None:
+        """Checkpoint the step `fold` names from its saved writes (no task runs again), and stop
+        before the step after it. The checkpoint is the stopped run's (`fold.run_id`), whose
+        step it completes: this run's messages have not reached the thread yet."""
+        config = {**thread_config(run.conversation), "metadata": {"run_id": fold.run_id}}
+        after = [node for node in AGENT_NODES if node not in fold.nodes]
+        async for _ in graph.astream(None, config, stream_mode="values", durability="sync",
+                                     interrupt_before=after, control=run.control):
+            pass
 
     @staticmethod
     def _gate_of(run: ActiveRun, interrupt: dict[str, Any]) -> Gate:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..runtime.errors import SophosError
+from ..runtime.progress import is_resumable
 
 FINAL_EVENTS = ("end", "chat-error", "rejected", "process-exited", "kernel-error")
 """Events that end a turn: the run's own final events, a refusal, or the child going away."""
@@ -671,8 +672,8 @@ class ChildBackend:
         gate = views.pending_gate(self.db_path, conversation_id) if status == "waiting" else None
         return ThreadDetail(
             conversation_id=conversation_id, messages=messages, next=next_nodes,
-            resumable=bool(next_nodes or any(m.get("pending") for m in messages))
-            and (status not in ("running", "waiting") or orphaned), run_status=status,
+            resumable=is_resumable(next_nodes, any(m.get("pending") for m in messages),
+                                busy=status in ("running", "waiting") and not orphaned), run_status=status,
             error=None if last is None else recorded_error(status, _text(last["error_code"]), _text(last["error_message"])),
             orphaned=orphaned,
             approval=None if gate is None else PendingApproval.from_calls(gate["gate"], gate["run"], gate["calls"]),
