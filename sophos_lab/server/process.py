@@ -6,6 +6,9 @@ boundary, or is cancelled after `SHUTDOWN_TIMEOUT`, and is recorded `interrupted
 before its final event goes to every open stream), and only then runs uvicorn's shutdown:
 close idle connections, wait for the rest (each stream has ended with its run), and the
 lifespan's end closes MCP and the database. The caller turns the signal into exit code 0.
+
+What one client may hold or send (the request and keep-alive timeouts, the head size, the open
+connections) is `limits.HttpLimits`, passed to uvicorn with the protocol that enforces it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..runtime.service import AgentService
 from ..runtime.settings import Settings
 from .app import ServerOptions, create_app
 from .auth import RedactToken
+from .limits import HttpLimits
 from .sse import DRAIN_MARGIN
 
 Announce = Callable[..., None]
@@ -69,17 +73,20 @@ def human_announce(event: str, **data: Any) -> None:
 
 def run_server(
     settings: Settings, options: ServerOptions, host: str, port: int,
-    announce: Announce = human_announce, exit_with_stdin: bool = False,
+    announce: Announce = human_announce, exit_with_stdin: bool = False, limits: HttpLimits | None = None,
 ) -> None:
     """Serve until a signal (or the end of stdin, with `exit_with_stdin`) and a graceful shutdown.
 
     `announce` hears `ready` (`url`, `pid`), `shutdown-requested` (`active_runs`, `timeout`)
     and `drained`. A lab's child sets `exit_with_stdin`, so it does not outlive the lab.
+    `limits` (default: from the environment) bounds what a client may hold (`server.limits`).
     """
     app = create_app(settings, options)
+    limits = HttpLimits.from_env() if limits is None else limits
     config = uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_level="info",
         timeout_graceful_shutdown=int(settings.shutdown_timeout + DRAIN_MARGIN),
+        **limits.uvicorn_options(),  # request and keep-alive timeouts, head size, connections
     )
     logging.getLogger("uvicorn.access").addFilter(RedactToken())  # the page's ?token= on the SSE stream
     server = DrainingServer(config, app.state.service, announce)
