@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..runtime.errors import SophosError
 from .worker import parse_line
 
 EXITED = "process-exited"
@@ -173,10 +174,16 @@ class _Child(abc.ABC):
         return answer["data"]["final"] if answer["event"] == "cancel-answer" else answer
 
     def conversations(self, timeout: float = 60.0) -> list[dict[str, Any]]:
-        """List conversations in the child; its first database access runs recovery there."""
+        """List conversations in the child; its first database access runs recovery there. A
+        refusal (`rejected`, e.g. `STORAGE_FULL`) is raised here as the `SophosError` it was."""
         self.log.start_command()
         self._send("conversations")
-        return self.wait_for("conversations", timeout=timeout)["data"]["conversations"]
+        answer = self.log.wait_until(
+            lambda e: e["event"] == "conversations" or _matches(e, ("rejected",), {"cmd": "conversations"}),
+            "conversations", timeout)
+        if answer["event"] == "rejected":
+            raise SophosError(answer["data"]["code"], answer["data"]["message"])
+        return answer["data"]["conversations"]
 
     def wait_for(self, names: str | tuple[str, ...], timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
         """Block until the latest command's stream shows the event (e.g. `"trace", event="result"`)."""
@@ -579,8 +586,12 @@ class LabServer(LabWorker):
 
     def _send(self, cmd: str, **args: Any) -> None:
         if cmd == "conversations":
-            answer = self.request("GET", "/api/conversations").json()
-            self.log.append({"event": "conversations", "data": answer})
+            response = self.request("GET", "/api/conversations")
+            if response.status_code == 200:
+                self.log.append({"event": "conversations", "data": response.json()})
+            else:
+                error = response.json().get("error", {})
+                self.log.append({"event": "rejected", "data": {**error, "status": response.status_code, "cmd": cmd}})
             return
         if cmd == "cancel":
             response = self.request("POST", f"/api/conversations/{args['conversation']}/cancel")

@@ -174,10 +174,15 @@ class ChildRuntime:
         self.emit({"event": "cancel-answer", "data": {"conversation": conversation, "final": final}})
         return final
 
-    def conversations(self) -> list[dict[str, Any]]:
+    def conversations(self) -> list[dict[str, Any]] | None:
         """Like the original's `GET /api/conversations`: the first call opens the database, so
-        crash recovery runs here. Emits a `conversations` event with the list."""
-        items = [dataclasses.asdict(c) for c in self.service.list_conversations()]
+        crash recovery runs here. Emits a `conversations` event with the list, or a `rejected`
+        event (e.g. `STORAGE_FULL`: a full disk where not even reading is possible)."""
+        try:
+            items = [dataclasses.asdict(c) for c in self.service.list_conversations()]
+        except SophosError as error:
+            self.emit({"event": "rejected", "data": {**error.to_dict(), "cmd": "conversations"}})
+            return None
         self.emit({"event": "conversations", "data": {
             "conversations": items, "recovered_runs": self.service.store.recovered_runs,
         }})

@@ -11,6 +11,8 @@ A step that kept failing with transient errors until its attempts ran out ends w
 the attempts. Requests that are
 refused before a run starts use `BAD_REQUEST`, `NOT_FOUND`, `SESSION_IN_PROGRESS` and
 `RUN_NOT_RESUMABLE`, and `cancel()` with no run active is `RUN_NOT_ACTIVE`; a database the code cannot use raises `SCHEMA_TOO_NEW` or `CONFIG_ERROR`.
+`STORAGE_FULL`: the disk that holds the database is full (SQLite: "database or disk is full"); the
+request was not accepted and nothing of it was written (see `store.storage_full`).
 `IDEMPOTENCY_KEY_REUSED`: a key given again with a different request. Approval gates:
 `RUN_WAITING` refuses a resume or a new message while a run waits for approval (approve or
 reject instead), `NO_APPROVAL_PENDING` an approval where nothing waits, `APPROVAL_MISMATCH` a
@@ -42,6 +44,7 @@ RUN_NOT_RESUMABLE = "RUN_NOT_RESUMABLE"
 RUN_NOT_ACTIVE = "RUN_NOT_ACTIVE"
 SCHEMA_TOO_NEW = "SCHEMA_TOO_NEW"
 CONFIG_ERROR = "CONFIG_ERROR"
+STORAGE_FULL = "STORAGE_FULL"
 IDEMPOTENCY_KEY_REUSED = "IDEMPOTENCY_KEY_REUSED"
 REPLAY_GONE = "REPLAY_GONE"
 RUN_WAITING = "RUN_WAITING"

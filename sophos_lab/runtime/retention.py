@@ -36,7 +36,7 @@ from typing import Any
 
 from .errors import BAD_REQUEST, NOT_FOUND, SESSION_IN_PROGRESS, SophosError
 from .ownership import Owner
-from .store import has_table, read_only, relabel_interrupted, stale_runs, utc_now
+from .store import full_disk_refused, has_table, read_only, relabel_interrupted, stale_runs, utc_now
 
 
 @dataclass(frozen=True)
@@ -391,10 +391,12 @@ def vacuum(conn: sqlite3.Connection, path: str | Path, me: Owner | None) -> Vacu
         raise SophosError(SESSION_IN_PROGRESS, (
             f"{len(running)} run(s) in progress in a live process; VACUUM holds the write lock until "
             "it is done, so run it when they have finished. Nothing was changed."))
-    # Measured with the WAL folded in first, so before and after count the same thing.
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    before = file_bytes(path)
-    free = conn.execute("PRAGMA freelist_count").fetchone()[0] * conn.execute("PRAGMA page_size").fetchone()[0]
-    conn.execute("VACUUM")
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    # Measured with the WAL folded in first, so before and after count the same thing. VACUUM
+    # needs room for a copy of the file: on a full disk it is refused (STORAGE_FULL), undone whole.
+    with full_disk_refused(path):
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        before = file_bytes(path)
+        free = conn.execute("PRAGMA freelist_count").fetchone()[0] * conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.execute("VACUUM")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     return Vacuum(str(path), before, file_bytes(path), free)

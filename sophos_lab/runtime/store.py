@@ -9,6 +9,12 @@ several processes may share the file, and a live process's run is left alone. Th
 runs, for one conversation, before a run starts there and before a conversation is read, so a
 process that died while another one was open is recovered as soon as anyone looks.
 
+On a full disk (SQLite: "database or disk is full") every write is refused with `STORAGE_FULL`
+and writes nothing (see `storage_full`). A first open that cannot write this owner's row, or
+the recovery after it, still opens the file, for reading: listings and conversations read as
+they are on disk (a dead process's run may still say `running`), and the owner's row and the
+recovery are written by the next write or look that finds space again.
+
 With `single_owner=True` the store does what the original did: the first open relabels every
 `running` row, whoever runs it, and outcomes are written without checking who owns the run.
 """
@@ -19,16 +25,19 @@ import base64
 import binascii
 import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .errors import BAD_REQUEST, CANCELLED, CONFIG_ERROR, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
+from .errors import BAD_REQUEST, CANCELLED, CONFIG_ERROR, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, STORAGE_FULL, SophosError
 from .ownership import Owner, owner_gone
+
+log = logging.getLogger(__name__)
 
 RUN_STATUSES = ("running", "interrupted", "completed", "failed", "cancelled", "waiting")
 
@@ -356,14 +365,45 @@ def read_only(path: str | Path) -> Iterator[sqlite3.Connection | None]:
         return
     conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, check_same_thread=False)
     try:
-        version = schema_version(conn)
-        if version > SCHEMA_VERSION:
-            raise SophosError(SCHEMA_TOO_NEW, (
-                f"{path} has schema version {version}, but this sophos_lab knows versions up to "
-                f"{SCHEMA_VERSION}; the file was not changed."))
-        yield conn
+        with full_disk_refused(path):  # SQLite cannot even size its shared memory on a full disk
+            version = schema_version(conn)
+            if version > SCHEMA_VERSION:
+                raise SophosError(SCHEMA_TOO_NEW, (
+                    f"{path} has schema version {version}, but this sophos_lab knows versions up to "
+                    f"{SCHEMA_VERSION}; the file was not changed."))
+            yield conn
     finally:
         conn.close()
+
+
+def is_storage_full(error: BaseException) -> bool:
+    """Whether SQLite failed for want of space: `SQLITE_FULL` ("database or disk is full"), or
+    the shared-memory file of a WAL database that could not be given its size (the first open
+    on a full disk, when no other connection has it open: "disk I/O error")."""
+    code = getattr(error, "sqlite_errorcode", None)
+    return isinstance(error, sqlite3.Error) and code is not None and (
+        code & 0xFF == sqlite3.SQLITE_FULL or code == sqlite3.SQLITE_IOERR_SHMSIZE)
+
+
+def storage_full(path: str | Path, error: BaseException) -> SophosError:
+    """The `STORAGE_FULL` refusal for a write (or an open) that SQLite could not make for want of
+    space. SQLite undid it whole, so nothing of the request is on disk."""
+    return SophosError(STORAGE_FULL, (
+        f"The disk that holds {path} is full (SQLite: {error}). Nothing was accepted: nothing of "
+        "this request was written, and what was stored before is intact. Free some space on that "
+        "disk and try again."))
+
+
+@contextlib.contextmanager
+def full_disk_refused(path: str | Path) -> Iterator[None]:
+    """Turn SQLite's want of space, inside the block, into `STORAGE_FULL` (see `storage_full`)."""
+    try:
+        yield
+    except sqlite3.Error as error:
+        if is_storage_full(error):
+            raise storage_full(path, error) from error
+        raise
+
 
 def use_wal(conn: sqlite3.Connection, attempts: int = 100) -> None:
     """Switch the file to WAL. On a new file several processes may try at once, and SQLite
@@ -504,6 +544,9 @@ class Store:
         self._lock = threading.RLock()
         self.recovered_runs = 0
         """How many `running` rows the last open relabelled `interrupted`."""
+        self._sweep_pending = False
+        """The last open could not write its owner row and recovery (a full disk): the next
+        `recover` writes them."""
 
     @property
     def is_open(self) -> bool:
@@ -514,17 +557,21 @@ class Store:
         """The connection, opened (with migrations and recovery) on first use."""
         with self._lock:
             if self._conn is None:
-                conn = connect(self.path)
+                with full_disk_refused(self.path):
+                    conn = connect(self.path)
                 # One identity per Store: a store closed and opened again is still the same owner.
-                owner = self.owner = self.owner or Owner.here()
+                self.owner = self.owner or Owner.here()
                 try:
                     self._conn = conn
-                    self._register(owner)
-                    if self.single_owner:
-                        self.recovered_runs = recover_interrupted_runs(conn)
-                    else:
-                        self.recovered_runs = self.recover()
-                        forget_gone_owners(conn, owner)  # those that died holding no run
+                    self.recovered_runs, self._sweep_pending = 0, True
+                    try:
+                        self._open_sweep()
+                    except SophosError as error:
+                        if error.code != STORAGE_FULL:
+                            raise
+                        # Open for reading: what is on disk can still be read (see the module).
+                        log.info("%s is open for reading only until there is space again: %s",
+                                    self.path, error.message)
                 except BaseException:
                     self._conn = None
                     conn.close()
@@ -545,16 +592,21 @@ class Store:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """The connection inside one write transaction (`BEGIN IMMEDIATE`), committed when the
-        block ends and rolled back when it raises."""
+        block ends and rolled back when it (or the commit) raises.
+
+        On a full disk it raises `STORAGE_FULL`, with nothing of the transaction written: SQLite
+        undoes it whole (often by itself, when a statement or the commit finds no space).
+        """
         conn = self.conn
-        with self._lock:
+        with self._lock, full_disk_refused(self.path):
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
+                conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:  # SQLite may have rolled it back already (SQLITE_FULL)
+                    conn.execute("ROLLBACK")
                 raise
-            conn.execute("COMMIT")
 
     def _transaction(self, statements: list[tuple[str, tuple]]) -> list[int]:
         """Run the statements in one write transaction; their row counts."""
@@ -576,14 +628,50 @@ class Store:
     def _register(self, owner: Owner) -> None:
         self._transaction([self._lease_statement(owner)])
 
+    def _open_sweep(self) -> None:
+        """What an open writes: this owner's row, then the recovery of runs left `running`."""
+        conn = self._conn
+        self._register(self.owner)
+        with full_disk_refused(self.path):
+            if self.single_owner:
+                self.recovered_runs = recover_interrupted_runs(conn)
+            else:
+                self.recovered_runs = self._relabel_stale(None)
+                forget_gone_owners(conn, self.owner)  # those that died holding no run
+        self._sweep_pending = False
+
     def recover(self, conversation_id: str | None = None) -> int:
         """Relabel `interrupted` the `running` runs whose owner is gone; how many.
 
         A read decides whether there is anything to do, so the common case takes no write lock;
         the relabelling re-checks under the lock (`status = 'running'`).
+
+        On a full disk the relabelling cannot be written: it is left for a later look (and
+        logged), and 0 is returned, so that reading goes on. A run start does not read past it
+        (`start_run` is refused with `STORAGE_FULL`).
         """
+        self.conn  # noqa: B018 - an open that cannot even read raises STORAGE_FULL here
+        try:
+            return self._recover(conversation_id)
+        except SophosError as error:
+            if error.code != STORAGE_FULL:
+                raise
+            log.info("could not recover the runs of %s yet: %s", self.path, error.message)
+            return 0
+
+    def _recover(self, conversation_id: str | None = None) -> int:
+        """`recover`, refused with `STORAGE_FULL` on a full disk. After an open that could not
+        write its owner row and recovery, those first (the count is then the whole file's)."""
+        self.conn  # noqa: B018 - opened (and swept, if it can be) on first use
+        with self._lock:
+            if self._sweep_pending:
+                self._open_sweep()
+                return self.recovered_runs
         if self.single_owner:
             return 0
+        return self._relabel_stale(conversation_id)
+
+    def _relabel_stale(self, conversation_id: str | None) -> int:
         conn = self.conn
         with self._lock:
             if not stale_runs(conn, self.owner, conversation_id):
@@ -663,9 +751,10 @@ class Store:
         A `running` run of a live owner on the conversation makes the database refuse the row
         (`SESSION_IN_PROGRESS`); one of a gone owner is relabelled `interrupted` first. A key
         already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`): see `keyed_run`. A
-        gate decided meanwhile (by another process) refuses it too (`GATE_DECIDED`).
+        gate decided meanwhile (by another process) refuses it too (`GATE_DECIDED`). On a full
+        disk it is refused with `STORAGE_FULL` and nothing of it is written.
         """
-        self.recover(conversation_id)
+        self._recover(conversation_id)
         now = utc_now()
         statements = []
         if title is not None:

@@ -41,6 +41,7 @@ STATUS = {
     PAYLOAD_TOO_LARGE: 413,
     errors.IDEMPOTENCY_KEY_REUSED: 422,
     errors.SHUTDOWN: 503,
+    errors.STORAGE_FULL: 507,  # Insufficient Storage: nothing was written; free space, then retry
 }
 """HTTP status per error code; any other code (CONFIG_ERROR, SCHEMA_TOO_NEW, …) is a 500."""
 
