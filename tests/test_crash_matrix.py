@@ -478,3 +478,252 @@ def test_a_kill_after_any_event_recovers_to_the_same_transcript(matrix, mode):
     print("\n" + report)
     assert len(points) == reference.points
     assert not any(p.problems for p in points), report
+
+
+# --- kill points at the commits: where no event marks the moment -----------------------------
+#
+# A step is saved in two commits, its task's pending writes and then its checkpoint; a kill
+# between them left the conversation neither answered nor resumable (LangGraph's `next` is empty
+# there). Here the worker stops itself right after its N-th commit (`SOPHOS_LAB_STOP_AFTER_WRITE`:
+# the run's row, each task's writes, each checkpoint, each outcome; see `DurableWrite`), for every
+# N of three scenarios, and is killed (SIGKILL) or shut down (SIGTERM) right there. Then a fresh
+# runtime recovers and carries the conversation on: resume while resumable, approve a gate that
+# still waits. Every point must end with the uninterrupted transcript, every step run once (no
+# page fetched twice, no extra model call, one payment) and nothing stuck.
+
+WRITE_HOOK = "SOPHOS_LAB_STOP_AFTER_WRITE"
+
+
+@dataclass
+class Scenario:
+    """Commands a worker runs in order (each to its final event), in one conversation."""
+
+    name: str
+    turns: list[tuple[str, str | None]]
+    """`("chat", message)` or `("approve", None)`."""
+    kill_from_turn: int = 0
+    """The turn whose commits are the kill points onwards (a follow-up's: its own turn's)."""
+
+
+@dataclass
+class WritePoint:
+    n: int
+    write: str
+    disk: str = "?"
+    recovered: str = "?"
+    same: bool = False
+    lost: int = 0
+    """Messages of the reference transcript missing from the final one."""
+    rerun: int = 0
+    """Page fetches and model calls beyond the uninterrupted run's."""
+    stuck: bool = False
+    payments: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def scenarios(lab: Lab) -> list[Scenario]:
+    index, wal = lab.page("index.html"), lab.page("wal.html")
+    return [
+        Scenario("fetch-and-summarise", [("chat", f"Fetch {wal} and summarise it.")]),
+        Scenario("follow-up", [("chat", f"Fetch {index}"), ("chat", f"Fetch {wal} and summarise it.")],
+                 kill_from_turn=1),
+        Scenario("gated payment", [("chat", "Pay 30 to Alice, exactly once."), ("approve", None)]),
+    ]
+
+
+def drive(child: LabWorker, scenario: Scenario, ends: list[int] | None = None) -> str | None:
+    """Run the scenario's turns in the child until it stops at its commit or they end; the
+    conversation. `ends` gets, per turn, how many commits the child had made by its end."""
+    conversation = None
+    for command, message in scenario.turns:
+        if command == "chat":
+            child.chat(message, conversation)
+        else:
+            child.approve(conversation)
+        event = child.log.wait_until(
+            lambda e: e["event"] in ("write-stop", "end", "chat-error", "rejected"), "stop or final",
+            BARRIER_TIMEOUT)
+        started = next((e for e in child.events() if e["event"] == "started"), None)
+        conversation = conversation or (started["data"]["conversation"] if started else None)
+        if event["event"] == "write-stop":
+            wait_stopped(child.pid)
+            return conversation
+        if event["event"] != "end":
+            raise ChildFailed(f"{event} in {scenario.name}")
+        if ends is not None:
+            ends.append(sum(1 for e in child.log.events if e["event"] == "write"))
+    return conversation
+
+
+async def carry_on(service, conversation: str) -> Any:
+    """Recover (the first open), then resume or approve until the conversation has ended."""
+    for _ in range(MAX_RESUMES + 1):
+        detail = await service.get_conversation(conversation)
+        if detail.approval is not None:
+            await (await service.approve(conversation)).wait()
+        elif detail.resumable:
+            await (await service.resume(conversation)).wait()
+        else:
+            return detail
+    return detail
+
+
+def count_effects(lab: Lab, files: dict[str, str]) -> dict[str, int]:
+    from sophos_lab.lab.inspect import ledger
+
+    return {**{page: lab.fetches(page) for page in PAGES}, "model": lab.model_calls(),
+            "payments": len(ledger(files["LEDGER_PATH"]))}
+
+
+@dataclass
+class WriteReference:
+    """The uninterrupted scenario: its commits in order, where each turn's end, its transcript
+    and its effects (fetches per page, model calls, payments)."""
+
+    writes: list[str]
+    ends: list[int]
+    transcript: list[dict[str, Any]]
+    effects: dict[str, int]
+
+    def turn_of(self, n: int) -> int:
+        return next(turn for turn, end in enumerate(self.ends) if n <= end)
+
+
+async def write_reference(lab: Lab, scenario: Scenario, label: str) -> WriteReference:
+    """The uninterrupted scenario in a worker that names each commit it makes
+    (`SOPHOS_LAB_TRACE_WRITES`)."""
+    files = Lane(lab).files(f"{scenario.name}-{label}")
+    before = count_effects(lab, files)
+    ends: list[int] = []
+    with lab.worker(**files, SOPHOS_LAB_TRACE_WRITES="1") as child:
+        conversation = await asyncio.to_thread(drive, child, scenario, ends)
+        writes = [e["data"]["write"] for e in child.log.events if e["event"] == "write"]
+    service = lab.service(**files)
+    try:
+        detail = await service.get_conversation(conversation)
+    finally:
+        await service.aclose()
+    after = count_effects(lab, files)
+    return WriteReference(writes, ends, transcript(detail.messages, lab.web.url),
+                          {k: after[k] - before[k] for k in after})
+
+
+async def run_write_point(lab: Lab, which: str, mode: str, n: int, ref: WriteReference) -> WritePoint:
+    scenario = next(s for s in scenarios(lab) if s.name == which)  # its pages are this lab's
+    point = WritePoint(n, ref.writes[n - 1])
+    files = Lane(lab).files(f"{scenario.name}-{mode}-{n:02d}")
+    before = await asyncio.to_thread(count_effects, lab, files)
+    child = await asyncio.to_thread(lab.worker, **files, **{WRITE_HOOK: str(n)})
+    try:
+        conversation = await asyncio.to_thread(drive, child, scenario)
+        servers = descendants(child.pid)
+        if mode == "SIGKILL":
+            code = await asyncio.to_thread(child.kill)
+            if code != -signal.SIGKILL:
+                point.problems.append(f"the child exited with {code}, not by SIGKILL")
+        else:
+            os.kill(child.pid, signal.SIGTERM)
+            os.kill(child.pid, signal.SIGCONT)
+            code = await asyncio.to_thread(child.proc.wait, BARRIER_TIMEOUT)
+            if code != 0:
+                point.problems.append(f"the child exited with {code} after SIGTERM, not 0")
+        await asyncio.to_thread(wait_gone, servers)
+    finally:
+        child.close()
+    db_path = Path(files["DATABASE_PATH"])
+    if conversation is None:  # stopped at its first run's row, before `started` was told
+        conversation = peek_runs(db_path)["conversation_id"].iloc[0]
+    point.disk = run_statuses(db_path, conversation)
+    if mode == "SIGTERM" and "running" in point.disk:
+        point.problems.append(f"after SIGTERM a run is still running on disk: {point.disk}")
+    service = lab.service(**files)
+    try:
+        detail = await service.get_conversation(conversation)
+        point.recovered = run_statuses(db_path, conversation)
+        point.stuck = not (detail.resumable or detail.approval is not None or answered(detail.messages))
+        # The rest of the scenario, as a user would go on: the turn the kill cut short was
+        # accepted (its first commit is its run's row), so carry it on; then the turns after it
+        # (an approval is carried on by `carry_on`).
+        for command, message in scenario.turns[ref.turn_of(n) + 1:]:
+            detail = await carry_on(service, conversation)
+            if command == "chat":
+                await (await service.chat(message, conversation)).wait()
+        detail = await carry_on(service, conversation)
+    finally:
+        await service.aclose()
+    final = transcript(detail.messages, lab.web.url)
+    after = await asyncio.to_thread(count_effects, lab, files)
+    done = {k: after[k] - before[k] for k in after}
+    effects = ref.effects
+    point.payments = done["payments"]
+    point.same = final == ref.transcript
+    point.lost = sum(1 for message in ref.transcript if message not in final)
+    point.rerun = sum(max(0, done[k] - effects[k]) for k in (*PAGES, "model"))
+    if point.stuck:
+        point.problems.append("stuck after recovery: neither answered, resumable nor waiting")
+    if not point.same:
+        point.problems.append(f"transcript differs: roles {[m['role'] for m in final]}")
+    if point.rerun or done["payments"] != effects["payments"]:
+        point.problems.append(f"effects {done}, uninterrupted {effects}")
+    check = integrity(db_path)
+    if check != "ok":
+        point.problems.append(f"integrity_check: {check}")
+    return point
+
+
+async def write_matrix(labs: list[Lab], which: str, mode: str) -> list[WritePoint]:
+    """The scenario's points, on a lab per lane (each counts its own fetches and model calls)."""
+    scenario = next(s for s in scenarios(labs[0]) if s.name == which)
+    ref = await write_reference(labs[0], scenario, f"{mode}-reference")
+    first = ref.ends[scenario.kill_from_turn - 1] + 1 if scenario.kill_from_turn else 1
+    numbers = list(range(first, len(ref.writes) + 1))
+    lanes = [numbers[i::len(labs)] for i in range(len(labs))]
+
+    async def lane(lab: Lab, mine: list[int]) -> list[WritePoint]:
+        found = []
+        for n in mine:
+            try:
+                found.append(await run_write_point(lab, which, mode, n, ref))
+            except Exception as error:  # keep the table: one broken point must not hide the others
+                broken = WritePoint(n, ref.writes[n - 1])
+                broken.problems.append(f"the point itself broke: {type(error).__name__}: {error}")
+                found.append(broken)
+        return found
+
+    results = await asyncio.gather(*(lane(lab, mine) for lab, mine in zip(labs, lanes) if mine))
+    return sorted((p for found in results for p in found), key=lambda p: p.n)
+
+
+def write_table(which: str, mode: str, points: list[WritePoint]) -> str:
+    lines = [f"commit kill points, {which}, {mode}:",
+             f"{'pt':>3}  {'commit':<52} {'disk':<34} {'after recovery':<34} same  lost rerun stuck"]
+    for p in points:
+        lines.append(f"{p.n:>3}  {p.write:<52} {p.disk:<34} {p.recovered:<34} {'yes' if p.same else 'NO':<5} "
+                     f"{p.lost:>4} {p.rerun:>5} {'YES' if p.stuck else 'no':>5}")
+        lines += [f"     FAIL: {problem}" for problem in p.problems]
+    lines.append(f"{which}, {mode}: {len(points)} points, {sum(p.same for p in points)} equal transcripts, "
+                 f"{sum(p.lost for p in points)} messages lost, {sum(p.rerun for p in points)} steps re-run, "
+                 f"{sum(p.stuck for p in points)} stuck")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def write_labs(lab_home):
+    """Per kind (plain, with the ledger), a lab per lane."""
+    labs = {kind: [Lab.setup(f"tests-crash-writes-{kind}-{i}", quiet=True, extra_servers=extra) for i in range(LANES)]
+            for kind, extra in (("plain", ()), ("ledger", ("ledger",)))}
+    try:
+        yield labs
+    finally:
+        for lab in (lab for kind in labs.values() for lab in kind):
+            lab.close()
+
+
+@pytest.mark.parametrize("mode", ["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("which", ["fetch-and-summarise", "follow-up", "gated payment"])
+def test_a_kill_right_after_any_commit_leaves_nothing_stuck_lost_or_run_twice(write_labs, which, mode):
+    labs = write_labs["ledger" if which == "gated payment" else "plain"]
+    points = asyncio.run(asyncio.wait_for(write_matrix(labs, which, mode), MATRIX_TIMEOUT))
+    report = write_table(which, mode, points)
+    print("\n" + report)
+    assert points and not any(p.problems for p in points), report

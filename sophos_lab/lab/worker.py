@@ -26,7 +26,8 @@ that waits for that event can kill it at exactly that point. `SOPHOS_LAB_STOP_AF
 stops it right after the N-th commit its runs make (the run's row, a task's pending writes, a
 checkpoint, an outcome: see `DurableWrite`), before anything is told of it, once it has written
 a `write-stop` line `{n, write}`: points that no event marks, such as a step's writes committed
-and its checkpoint not yet.
+and its checkpoint not yet. `SOPHOS_LAB_TRACE_WRITES=1` writes a `write` line `{n, write}` after
+each commit (a crash test's reference run counts them).
 """
 
 from __future__ import annotations
@@ -113,17 +114,19 @@ class ChildRuntime:
         """Stop (SIGSTOP) right after writing this event of the first run followed (0: never)."""
         self._runs_followed = 0
         stop_at_write = int(os.environ.get("SOPHOS_LAB_STOP_AFTER_WRITE") or 0)
-        if stop_at_write:
-            self.service.on_write = self._stop_at_write(stop_at_write)
+        if stop_at_write or os.environ.get("SOPHOS_LAB_TRACE_WRITES"):
+            self.service.on_write = self._watch_writes(stop_at_write, trace=bool(os.environ.get("SOPHOS_LAB_TRACE_WRITES")))
         self._request_dir: Path | None = None
         self._requests: set[asyncio.Task] = set()
 
-    def _stop_at_write(self, n: int) -> Callable[[Any], None]:
+    def _watch_writes(self, n: int, trace: bool) -> Callable[[Any], None]:
         commits = 0
 
         def counted(write: Any) -> None:
             nonlocal commits
             commits += 1
+            if trace:
+                self.emit({"event": "write", "data": {"n": commits, "write": write.describe()}})
             if commits == n:
                 self.emit({"event": "write-stop", "data": {"n": n, "write": write.describe()}})
                 os.kill(os.getpid(), signal.SIGSTOP)
