@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -62,10 +62,13 @@ async def json_object(request: Request, limit: int) -> dict:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # hung up mid-body, or cut by the request timeout (server.limits)
+        raise SophosError(errors.BAD_REQUEST, "The client went away before its request body arrived; nothing was stored.") from None
     try:
         value = json.loads(body)
     except ValueError:  # not JSON, or not UTF-8
