@@ -275,6 +275,7 @@ async def test_a_run_the_full_disk_stopped_stays_running_and_the_next_open_with_
         final = child.wait_final()
         assert child.shutdown() == 0
     assert final["event"] == "chat-error" and "could not be recorded" in final["data"]["message"]
+    assert final["data"]["code"] == "STORAGE_FULL"
     assert FULL in final["data"]["message"]
 
     disk.free()

@@ -924,7 +924,8 @@ class AgentService:
             # Not on disk, so not `end`: the row stays `running` until this process exits (then
             # the next open relabels it) or its lease runs out.
             log.exception("could not record the outcome of run %s", run.id)
-            status, error = "failed", (errors.AGENT_FAILURE, f"The run's outcome could not be recorded: {exc}")
+            code = exc.code if isinstance(exc, SophosError) else errors.AGENT_FAILURE  # STORAGE_FULL, say
+            status, error = "failed", (code, f"The run's outcome could not be recorded: {exc}")
         gate.flush()
         if run.lost:
             error = (errors.OWNERSHIP_LOST, errors.OWNERSHIP_LOST_MESSAGE)

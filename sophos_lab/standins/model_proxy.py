@@ -403,7 +403,7 @@ class ModelProxyControl:
         if status != 200:
             raise ValueError(body.get("error", body))
 
-    def wait_paused(self, timeout: float = 10.0) -> str:
+    def wait_paused(self, timeout: float = 60.0) -> str:
         """Block until a stream is held at a pause point; return that point's name."""
         return long_poll(
             f"{self.url}/_proxy/wait_paused", "paused", timeout,

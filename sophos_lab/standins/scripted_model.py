@@ -551,7 +551,7 @@ class ScriptedModelControl:
         """Make the next stream reaching pause point ``pause`` stop half-way."""
         call(f"{self.url}/_scripted/arm", {"pause": pause})
 
-    def wait_paused(self, timeout: float = 10.0) -> str:
+    def wait_paused(self, timeout: float = 60.0) -> str:
         """Block until a stream is held at a pause point; return that point's name."""
         return long_poll(
             f"{self.url}/_scripted/wait_paused", "paused", timeout,

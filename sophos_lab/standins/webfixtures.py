@@ -166,7 +166,7 @@ class WebFixturesControl:
         """Hold the next request for ``path`` before it is answered."""
         call(f"{self.url}/_fixtures/hold", {"path": path})
 
-    def wait_held(self, timeout: float = 10.0) -> str:
+    def wait_held(self, timeout: float = 60.0) -> str:
         """Block until a request is being held; return its path."""
         return long_poll(
             f"{self.url}/_fixtures/wait_held", "held", timeout,
