@@ -46,7 +46,7 @@ from typing import Any
 import pytest
 from conftest import integrity
 
-from sophos_lab.lab.children import EXITED, FATAL_EVENTS, ChildFailed, LabWorker
+from sophos_lab.lab.children import EXITED, FATAL_EVENTS, FINAL_EVENTS, ChildFailed, LabWorker
 from sophos_lab.runtime.errors import SophosError
 from sophos_lab.lab.inspect import peek_runs
 from sophos_lab.lab.harness import Lab
@@ -640,7 +640,9 @@ async def run_write_point(lab: Lab, which: str, mode: str, n: int, ref: WriteRef
     try:
         detail = await service.get_conversation(conversation)
         point.recovered = run_statuses(db_path, conversation)
-        point.stuck = not (detail.resumable or detail.approval is not None or answered(detail.messages))
+        # A final answer whose step is not checkpointed shows in the live messages: not answered yet.
+        point.stuck = not (detail.resumable or detail.approval is not None
+                           or (answered(detail.messages) and not detail.next))
         # The rest of the scenario, as a user would go on: the turn the kill cut short was
         # accepted (its first commit is its run's row), so carry it on; then the turns after it
         # (an approval is carried on by `carry_on`).
@@ -725,5 +727,105 @@ def test_a_kill_right_after_any_commit_leaves_nothing_stuck_lost_or_run_twice(wr
     labs = write_labs["ledger" if which == "gated payment" else "plain"]
     points = asyncio.run(asyncio.wait_for(write_matrix(labs, which, mode), MATRIX_TIMEOUT))
     report = write_table(which, mode, points)
+    print("\n" + report)
+    assert points and not any(p.problems for p in points), report
+
+
+# A message sent instead of a resume, right after a kill between a step's writes and its
+# checkpoint: the run that carries it first checkpoints that step (the fold), and is itself
+# killed after each of its commits, the fold's included.
+
+FOLD_WINDOW = "writes tools (messages, branch:to:agent)"
+
+
+def killed_in_the_window(lab: Lab, files: dict[str, str], message: str) -> str:
+    """A conversation whose run was SIGKILLed right after its tools step's writes; its id."""
+    with lab.worker(**files, **{WRITE_HOOK: "7"}) as child:
+        child.chat(message)
+        stop = child.log.wait_until(lambda e: e["event"] in ("write-stop", *FINAL_EVENTS), "write-stop",
+                                    BARRIER_TIMEOUT)
+        assert stop["event"] == "write-stop" and stop["data"]["write"] == FOLD_WINDOW, stop
+        wait_stopped(child.pid)
+        servers = descendants(child.pid)
+        conversation = child.conversation()
+        child.kill()
+    wait_gone(servers)
+    return conversation
+
+
+async def run_fold_point(lab: Lab, mode: str, n: int | None) -> tuple[WritePoint, list[str]]:
+    """Stop the follow-up's worker after its `n`-th commit (None: never), then recover and
+    carry on; the point, and the follow-up's commits."""
+    first, second = f"Fetch {lab.page('index.html')}", f"Fetch {lab.page('wal.html')} and summarise it."
+    files = Lane(lab).files(f"fold-{mode}-{n or 'reference'}")
+    before = await asyncio.to_thread(count_effects, lab, files)
+    conversation = await asyncio.to_thread(killed_in_the_window, lab, files, first)
+    hook = {WRITE_HOOK: str(n)} if n else {"SOPHOS_LAB_TRACE_WRITES": "1"}
+    child = await asyncio.to_thread(lab.worker, **files, **hook)
+    try:
+        child.chat(second, conversation)
+        event = await asyncio.to_thread(child.log.wait_until, lambda e: e["event"] in ("write-stop", *FINAL_EVENTS),
+                                        "stop or final", BARRIER_TIMEOUT)
+        writes = [e["data"]["write"] for e in child.log.events if e["event"] == "write"]
+        point = WritePoint(n or 0, event["data"]["write"] if event["event"] == "write-stop" else "(none)")
+        if event["event"] == "write-stop":
+            await asyncio.to_thread(wait_stopped, child.pid)
+            servers = descendants(child.pid)
+            if mode == "SIGKILL":
+                await asyncio.to_thread(child.kill)
+            else:
+                os.kill(child.pid, signal.SIGTERM)
+                os.kill(child.pid, signal.SIGCONT)
+                await asyncio.to_thread(child.proc.wait, BARRIER_TIMEOUT)
+            await asyncio.to_thread(wait_gone, servers)
+    finally:
+        child.close()
+    db_path = Path(files["DATABASE_PATH"])
+    point.disk = run_statuses(db_path, conversation)
+    service = lab.service(**files)
+    try:
+        detail = await service.get_conversation(conversation)
+        point.recovered = run_statuses(db_path, conversation)
+        point.stuck = not (detail.resumable or (answered(detail.messages) and not detail.next))
+        detail = await carry_on(service, conversation)
+    finally:
+        await service.aclose()
+    after = await asyncio.to_thread(count_effects, lab, files)
+    done = {k: after[k] - before[k] for k in after}
+    final = transcript(detail.messages, lab.web.url)
+    users = [m["content"] for m in final if m["role"] == "user"]
+    asked = [text.replace(lab.web.url, "<web>") for text in (first, second)]
+    point.same = [m["role"] for m in final][:3] == ["user", "assistant", "tool"] and users == asked
+    point.lost = 0 if point.same else 1
+    point.rerun = done["index.html"] - 1 + max(0, done["wal.html"] - 1)
+    if point.stuck:
+        point.problems.append("stuck after recovery: neither answered nor resumable")
+    if not point.same:
+        point.problems.append(f"the first turn's tool result or a message was lost: roles {[m['role'] for m in final]}, "
+                              f"user messages {users}")
+    if point.rerun:
+        point.problems.append(f"a page was fetched again: {done}")
+    if not answered(detail.messages):
+        point.problems.append("the follow-up was never answered")
+    return point, writes
+
+
+@pytest.mark.parametrize("mode", ["SIGKILL", "SIGTERM"])
+def test_a_kill_at_any_commit_of_a_message_sent_instead_of_a_resume_keeps_the_stopped_step(write_labs, mode):
+    labs = write_labs["plain"]
+
+    async def matrix() -> list[WritePoint]:
+        _, writes = await run_fold_point(labs[0], mode, None)
+        assert writes[:2] == ["run", "checkpoint step 2"], writes  # the fold's checkpoint, before the input's
+        numbers = list(range(1, len(writes) + 1))
+
+        async def lane(lab: Lab, mine: list[int]) -> list[WritePoint]:
+            return [(await run_fold_point(lab, mode, n))[0] for n in mine]
+
+        found = await asyncio.gather(*(lane(lab, numbers[i::len(labs)]) for i, lab in enumerate(labs)))
+        return sorted((p for points in found for p in points), key=lambda p: p.n)
+
+    points = asyncio.run(asyncio.wait_for(matrix(), MATRIX_TIMEOUT))
+    report = write_table("a message instead of a resume", mode, points)
     print("\n" + report)
     assert points and not any(p.problems for p in points), report

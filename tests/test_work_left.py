@@ -116,6 +116,48 @@ async def test_a_new_message_after_a_stop_between_a_steps_writes_and_its_checkpo
         assert lab.fetches("index.html") == fetches, k  # nothing of the stopped run was repeated
 
 
+async def test_a_new_message_cancelled_before_it_folds_the_stopped_step_keeps_it_for_the_resume(
+        lab, open_service, tmp_path):
+    """The step is checkpointed by the run that carries the new input, as its first work: a
+    cancel right after that `chat()` stops it before, and the resume (which carries the same
+    input) checkpoints it then."""
+    message = f"Fetch {lab.page('index.html')}"
+    writes, _, _ = await reference(lab, open_service, tmp_path, message)
+    for k in range(1, len(writes)):
+        async with open_service(DATABASE_PATH=str(tmp_path / f"point-{k}.db")) as agent:
+            run, write = await cancelled_after_commit(agent, message, k)
+            stopped = await agent.get_conversation(run.conversation)
+            fetches = lab.fetches("index.html")
+            follow_up = await agent.chat("Hello there", run.conversation)
+            await agent.cancel(run.conversation)
+            await follow_up.wait()
+            detail = await agent.get_conversation(run.conversation)
+            while detail.resumable:
+                assert (await (await agent.resume(run.conversation)).wait()).event == "end"
+                detail = await agent.get_conversation(run.conversation)
+
+        kept = [m["id"] for m in stopped.messages]
+        assert [m["id"] for m in detail.messages][:len(kept)] == kept, (k, write.describe())
+        assert [m["content"] for m in detail.messages if m["role"] == "user"] == [message, "Hello there"], k
+        assert lab.fetches("index.html") == fetches, k
+
+
+async def test_a_write_observer_that_raises_changes_nothing_for_the_run(lab, open_service):
+    def failing(write):
+        raise RuntimeError(f"the observer broke on {write.describe()}")
+
+    async with open_service() as agent:
+        agent.on_write = failing
+        first = await agent.chat(f"Fetch {lab.page('index.html')}")
+        ended = await first.wait()
+        second = await (await agent.chat("Hello there", first.conversation)).wait()
+        detail = await agent.get_conversation(first.conversation)
+
+    assert (ended.event, ended.data["status"]) == ("end", "completed")
+    assert (second.event, second.data["status"]) == ("end", "completed")
+    assert roles(detail) == ["user", "assistant", "tool", "assistant", "user", "assistant"]
+
+
 @pytest.mark.parametrize("delay_ms", [0, 1, 2, 5, 10, 20, 50])
 async def test_a_cancel_at_any_delay_after_chat_returns_leaves_the_conversation_answered_or_resumable(
         lab, open_service, delay_ms):

@@ -147,7 +147,7 @@ class NotifyingSaver(AsyncSqliteSaver):
         return written
 
     def _observe(self, config: Any, kind: str, **fields: Any) -> None:
-        if self.on_write is not None:
+        if self.on_write is not None:  # the service's, which never raises
             self.on_write(DurableWrite(kind, str(config["configurable"]["thread_id"]), **fields))
 
     def _tell(self, config: Any, metadata: dict[str, Any]) -> None:

@@ -28,12 +28,15 @@ def work_left(snapshot: Any) -> tuple[str, ...]:
 def unfolded(snapshot: Any) -> tuple[str, ...]:
     """What new input on the thread would drop, from its latest live `StateSnapshot`: LangGraph
     discards the latest checkpoint's tasks when a run starts with input. These are the tasks that
-    finished after that checkpoint (writes saved, not folded yet) and an input step (`__start__`)
-    that has not run: it only moves the accepted message into the thread."""
-    if snapshot is None:
+    finished after that checkpoint (writes saved, not folded yet), and an input step
+    (`__start__`) that has not run: it only moves the accepted message into the thread. Empty
+    unless every task of the checkpoint is one of them: a task still to run (a failed model step,
+    a gate) is dropped by new input as it always was."""
+    if snapshot is None or not snapshot.tasks:
         return ()
-    return tuple(task.name for task in snapshot.tasks if task.name == START
+    done = tuple(task.name for task in snapshot.tasks if task.name == START
                  or (task.result is not None and task.error is None and not task.interrupts))
+    return done if len(done) == len(snapshot.tasks) else ()
 
 
 def is_resumable(work: tuple[str, ...], pending_input: bool, busy: bool) -> bool:

@@ -56,8 +56,6 @@ from .tools import McpTools, approval_rule, mcp_servers
 
 log = logging.getLogger(__name__)
 
-INTERRUPT = "__interrupt__"
-"""The channel of LangGraph's pending writes that holds a step's interrupts."""
 _KEY = re.compile(r"[\x21-\x7e]{1,255}")
 """An idempotency key: 1 to 255 visible ASCII characters (as the HTTP header allows)."""
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[1-5][0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", re.I)
@@ -171,15 +169,6 @@ def canonical_request(resume: bool, message: object, conversation: str | None) -
 
 def thread_config(conversation_id: str) -> dict[str, Any]:
     return {"configurable": {"thread_id": conversation_id}}
-
-
-@dataclass(frozen=True)
-class Fold:
-    """A step a stopped run finished (`nodes`, their writes saved) but did not checkpoint."""
-
-    nodes: tuple[str, ...]
-    run_id: str | None
-    """The run whose step it is: the one that wrote the latest checkpoint."""
 
 
 @dataclass
@@ -419,7 +408,7 @@ class AgentService:
         carried = [] if new else await self._carried_input(conversation_id)
         messages = [*carried, {"id": str(uuid.uuid4()), "content": text}]
         return await self._launch(conversation_id, messages, resume=False, title=text if new else None,
-                                  idempotency=keyed, fold=None if new else await self._unfolded_step(conversation_id))
+                                  idempotency=keyed)
 
     def first_run_of(self, keyed: IdempotencyKey) -> ActiveRun | None:
         """The run an idempotency key started (None if it started none), refused with
@@ -746,7 +735,10 @@ class AgentService:
 
     def _observe(self, write: DurableWrite) -> None:
         if self.on_write is not None:
-            self.on_write(write)
+            try:
+                self.on_write(write)
+            except Exception:  # an observer's failure is its own: the run goes on
+                log.exception("the write observer failed on %s", write)
 
     async def _write(self, write: Any, *args: Any) -> Any:
         """Run an app-table write on the loop, outside any transaction of the saver.
@@ -759,13 +751,13 @@ class AgentService:
 
     async def _carried_input(self, conversation_id: str) -> list[dict[str, str]]:
         """`_pending_input` for a new message. The common case (the last run completed, so its
-        input is in the thread) reads no checkpoint; otherwise only the latest checkpoint's
-        metadata is read, not the thread's messages (which would be rebuilt from its writes)."""
+        input is in the thread) reads no checkpoint; otherwise the thread's latest state (live:
+        a gate a carried decision has answered no longer holds it)."""
         latest = self.store.latest_run(conversation_id)
         if latest is None or latest.status == "completed":
             return []
-        saved = await self._saver.aget_tuple(thread_config(conversation_id))
-        if saved is not None and any(channel == INTERRUPT for _, channel, _ in saved.pending_writes or ()):
+        state = await self._graph.aget_state(thread_config(conversation_id))
+        if state.interrupts:  # live: not those a decision carried on has answered
             # The thread stopped at a gate that the latest run did not get past (it stopped
             # before recording it, or before carrying its decision on): a new message would
             # leave the held calls unanswered.
@@ -774,21 +766,7 @@ class AgentService:
                 "resume() to carry on (a recorded decision is carried on, else the gate is shown again)."))
         if not latest.input:
             return []
-        return self._pending_input(conversation_id, saved.metadata if saved else None)
-
-    async def _unfolded_step(self, conversation_id: str) -> Fold | None:
-        """The step a stopped run finished but did not checkpoint (see `progress`), which a new
-        message must fold into the thread first: LangGraph drops the pending writes of the
-        latest checkpoint's tasks when new input arrives. None in the common case (the last run
-        completed: its every step is checkpointed), read without touching the thread."""
-        latest = self.store.latest_run(conversation_id)
-        if latest is None or latest.status == "completed":
-            return None
-        state = await self._graph.aget_state(thread_config(conversation_id))
-        done = unfolded(state)
-        if not done:
-            return None
-        return Fold(nodes=done, run_id=(state.metadata or {}).get("run_id"))
+        return self._pending_input(conversation_id, state.metadata)
 
     def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
         """The messages of the latest run if they never reached the thread, else [].
@@ -802,7 +780,7 @@ class AgentService:
     async def _launch(
         self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None,
         idempotency: IdempotencyKey | None = None, command: Command | None = None,
-        decision: tuple[Gate, dict[str, dict]] | None = None, fold: Fold | None = None,
+        decision: tuple[Gate, dict[str, dict]] | None = None,
     ) -> ActiveRun:
         """Write the run (with its messages, key and gate decision), then publish `started` and
         run the graph: with the messages, or `command` (a gate's decisions), or from `next`."""
@@ -821,6 +799,8 @@ class AgentService:
         graph_input = command
         if messages:
             graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in messages]}
+        # New input on a thread that has runs: a step they left unfolded is checkpointed first.
+        fold = bool(messages) and title is None
         run.task = asyncio.create_task(self._execute(run, self._graph, graph_input, fold))
         return run
 
@@ -849,7 +829,7 @@ class AgentService:
                     run.lost = True
                     run.control.request_drain("ownership lost")
 
-    async def _execute(self, run: ActiveRun, graph: Any, graph_input: Any, fold: Fold | None = None) -> None:
+    async def _execute(self, run: ActiveRun, graph: Any, graph_input: Any, fold: bool = False) -> None:
         config = {
             **thread_config(run.conversation),
             "metadata": {"run_id": run.id},
@@ -873,8 +853,8 @@ class AgentService:
         status, error = "completed", None
         run.in_graph = True
         try:
-            if fold is not None:
-                await self._fold(graph, run, fold)
+            if fold:
+                await self._fold(graph, run)
             async for mode, chunk in graph.astream(
                 graph_input, config, stream_mode=["messages", "debug"], durability="sync",
                 control=run.control,
@@ -940,15 +920,26 @@ class AgentService:
             run.publish("end", self._end_data(run.conversation, run.id, status, stopped_at))
         self.active.pop(run.conversation, None)
 
-    @staticmethod
-    async def _fold(graph: Any, run: ActiveRun, fold: Fold) -> None:
-        """Checkpoint the step `fold` names from its saved writes (no task runs again), and stop
-        before the step after it. The checkpoint is the stopped run's (`fold.run_id`), whose
-        step it completes: this run's messages have not reached the thread yet."""
-        config = {**thread_config(run.conversation), "metadata": {"run_id": fold.run_id}}
-        after = [node for node in AGENT_NODES if node not in fold.nodes]
+    async def _fold(self, graph: Any, run: ActiveRun) -> None:
+        """Before this run's new input: checkpoint a step that a run before it finished (its writes
+        saved) but did not checkpoint, without running anything again; LangGraph drops the
+        latest checkpoint's pending writes when a run starts with input. Read now, after this
+        run's row: no other run can change the thread any more (one run per conversation).
+
+        The common case reads no checkpoint: a run that completed left every step checkpointed.
+        The fold's checkpoint is the stopped run's (the one whose step it is): this run's own
+        input has not reached the thread yet (see `unapplied_input`). A resume stops before any
+        node (an input-less run passes no breakpoint in its first step, so it folds just that)."""
+        runs = self.store.list_runs(run.conversation)
+        if len(runs) < 2 or runs[-2].status == "completed":
+            return
+        config = thread_config(run.conversation)
+        state = await graph.aget_state(config)
+        if not unfolded(state):
+            return
+        config["metadata"] = {"run_id": (state.metadata or {}).get("run_id")}
         async for _ in graph.astream(None, config, stream_mode="values", durability="sync",
-                                     interrupt_before=after, control=run.control):
+                                     interrupt_before=list(AGENT_NODES), control=run.control):
             pass
 
     @staticmethod
