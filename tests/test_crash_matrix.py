@@ -457,6 +457,8 @@ async def run_matrix(lanes: list[Lane], mode: str, reference: Reference) -> list
 @pytest.fixture(scope="module")
 def matrix(lab_home):
     labs = [Lab.setup(f"tests-crash-matrix-{i}", quiet=True) for i in range(LANES)]
+    for lab in labs:
+        lab.edit_mcp_config(lambda config: config.pop("memory"))  # the reference run fetches only
     try:
         lanes = [Lane(lab) for lab in labs]
         reference = asyncio.run(asyncio.wait_for(reference_run(lanes[0]), BARRIER_TIMEOUT))
@@ -608,10 +610,12 @@ async def write_reference(lab: Lab, scenario: Scenario, label: str) -> WriteRefe
                           {k: after[k] - before[k] for k in after})
 
 
-async def run_write_point(lab: Lab, which: str, mode: str, n: int, ref: WriteReference) -> WritePoint:
+async def run_write_point(lab: Lab, which: str, mode: str, n: int, ref: WriteReference,
+                          files: dict[str, str], service: Any) -> WritePoint:
+    """One point, in the lane's database; `service` is the lane's live runtime, which recovers
+    the killed worker's run lazily, on its first look at the conversation (as a server does)."""
     scenario = next(s for s in scenarios(lab) if s.name == which)  # its pages are this lab's
     point = WritePoint(n, ref.writes[n - 1])
-    files = Lane(lab).files(f"{scenario.name}-{mode}-{n:02d}")
     before = await asyncio.to_thread(count_effects, lab, files)
     child = await asyncio.to_thread(lab.worker, **files, **{WRITE_HOOK: str(n)})
     try:
@@ -632,27 +636,23 @@ async def run_write_point(lab: Lab, which: str, mode: str, n: int, ref: WriteRef
         child.close()
     db_path = Path(files["DATABASE_PATH"])
     if conversation is None:  # stopped at its first run's row, before `started` was told
-        conversation = peek_runs(db_path)["conversation_id"].iloc[0]
+        conversation = peek_runs(db_path)["conversation_id"].iloc[-1]
     point.disk = run_statuses(db_path, conversation)
     if mode == "SIGTERM" and "running" in point.disk:
         point.problems.append(f"after SIGTERM a run is still running on disk: {point.disk}")
-    service = lab.service(**files)
-    try:
-        detail = await service.get_conversation(conversation)
-        point.recovered = run_statuses(db_path, conversation)
-        # A final answer whose step is not checkpointed shows in the live messages: not answered yet.
-        point.stuck = not (detail.resumable or detail.approval is not None
-                           or (answered(detail.messages) and not detail.next))
-        # The rest of the scenario, as a user would go on: the turn the kill cut short was
-        # accepted (its first commit is its run's row), so carry it on; then the turns after it
-        # (an approval is carried on by `carry_on`).
-        for command, message in scenario.turns[ref.turn_of(n) + 1:]:
-            detail = await carry_on(service, conversation)
-            if command == "chat":
-                await (await service.chat(message, conversation)).wait()
+    detail = await service.get_conversation(conversation)
+    point.recovered = run_statuses(db_path, conversation)
+    # A final answer whose step is not checkpointed shows in the live messages: not answered yet.
+    point.stuck = not (detail.resumable or detail.approval is not None
+                       or (answered(detail.messages) and not detail.next))
+    # The rest of the scenario, as a user would go on: the turn the kill cut short was accepted
+    # (its first commit is its run's row), so carry it on; then the turns after it (an approval
+    # is carried on by `carry_on`).
+    for command, message in scenario.turns[ref.turn_of(n) + 1:]:
         detail = await carry_on(service, conversation)
-    finally:
-        await service.aclose()
+        if command == "chat":
+            await (await service.chat(message, conversation)).wait()
+    detail = await carry_on(service, conversation)
     final = transcript(detail.messages, lab.web.url)
     after = await asyncio.to_thread(count_effects, lab, files)
     done = {k: after[k] - before[k] for k in after}
@@ -681,15 +681,26 @@ async def write_matrix(labs: list[Lab], which: str, mode: str) -> list[WritePoin
     numbers = list(range(first, len(ref.writes) + 1))
     lanes = [numbers[i::len(labs)] for i in range(len(labs))]
 
+    async def point(lab: Lab, n: int, files: dict[str, str], service: Any) -> WritePoint:
+        try:
+            return await run_write_point(lab, which, mode, n, ref, files, service)
+        except Exception as error:  # keep the table: one broken point must not hide the others
+            broken = WritePoint(n, ref.writes[n - 1])
+            broken.problems.append(f"the point itself broke: {type(error).__name__}: {error}")
+            return broken
+
     async def lane(lab: Lab, mine: list[int]) -> list[WritePoint]:
+        # One database and runtime per lane; per point for the payment, whose ledger's receipts
+        # count the payments it holds (a shared ledger would change the transcript).
         found = []
-        for n in mine:
+        shared = which != "gated payment"
+        for group in ([mine] if shared else [[n] for n in mine]):
+            files = Lane(lab).files(f"{which}-{mode}-{group[0]:02d}")
+            service = lab.service(**files)
             try:
-                found.append(await run_write_point(lab, which, mode, n, ref))
-            except Exception as error:  # keep the table: one broken point must not hide the others
-                broken = WritePoint(n, ref.writes[n - 1])
-                broken.problems.append(f"the point itself broke: {type(error).__name__}: {error}")
-                found.append(broken)
+                found += [await point(lab, n, files, service) for n in group]
+            finally:
+                await service.aclose()
         return found
 
     results = await asyncio.gather(*(lane(lab, mine) for lab, mine in zip(labs, lanes) if mine))
@@ -714,6 +725,8 @@ def write_labs(lab_home):
     """Per kind (plain, with the ledger), a lab per lane."""
     labs = {kind: [Lab.setup(f"tests-crash-writes-{kind}-{i}", quiet=True, extra_servers=extra) for i in range(LANES)]
             for kind, extra in (("plain", ()), ("ledger", ("ledger",)))}
+    for lab in (lab for kind in labs.values() for lab in kind):
+        lab.edit_mcp_config(lambda config: config.pop("memory"))  # no scenario uses it: one server less per process
     try:
         yield labs
     finally:
@@ -753,11 +766,11 @@ def killed_in_the_window(lab: Lab, files: dict[str, str], message: str) -> str:
     return conversation
 
 
-async def run_fold_point(lab: Lab, mode: str, n: int | None) -> tuple[WritePoint, list[str]]:
-    """Stop the follow-up's worker after its `n`-th commit (None: never), then recover and
-    carry on; the point, and the follow-up's commits."""
+async def run_fold_point(lab: Lab, mode: str, n: int | None, files: dict[str, str],
+                         service: Any) -> tuple[WritePoint, list[str]]:
+    """Stop the follow-up's worker after its `n`-th commit (None: never), then recover (the
+    lane's live runtime) and carry on; the point, and the follow-up's commits."""
     first, second = f"Fetch {lab.page('index.html')}", f"Fetch {lab.page('wal.html')} and summarise it."
-    files = Lane(lab).files(f"fold-{mode}-{n or 'reference'}")
     before = await asyncio.to_thread(count_effects, lab, files)
     conversation = await asyncio.to_thread(killed_in_the_window, lab, files, first)
     hook = {WRITE_HOOK: str(n)} if n else {"SOPHOS_LAB_TRACE_WRITES": "1"}
@@ -782,14 +795,10 @@ async def run_fold_point(lab: Lab, mode: str, n: int | None) -> tuple[WritePoint
         child.close()
     db_path = Path(files["DATABASE_PATH"])
     point.disk = run_statuses(db_path, conversation)
-    service = lab.service(**files)
-    try:
-        detail = await service.get_conversation(conversation)
-        point.recovered = run_statuses(db_path, conversation)
-        point.stuck = not (detail.resumable or (answered(detail.messages) and not detail.next))
-        detail = await carry_on(service, conversation)
-    finally:
-        await service.aclose()
+    detail = await service.get_conversation(conversation)
+    point.recovered = run_statuses(db_path, conversation)
+    point.stuck = not (detail.resumable or (answered(detail.messages) and not detail.next))
+    detail = await carry_on(service, conversation)
     after = await asyncio.to_thread(count_effects, lab, files)
     done = {k: after[k] - before[k] for k in after}
     final = transcript(detail.messages, lab.web.url)
@@ -815,15 +824,20 @@ def test_a_kill_at_any_commit_of_a_message_sent_instead_of_a_resume_keeps_the_st
     labs = write_labs["plain"]
 
     async def matrix() -> list[WritePoint]:
-        _, writes = await run_fold_point(labs[0], mode, None)
+        async def lane(lab: Lab, mine: list[int | None]) -> list[tuple[WritePoint, list[str]]]:
+            files = Lane(lab).files(f"fold-{mode}-{mine[0] or 'reference'}")
+            service = lab.service(**files)
+            try:
+                return [await run_fold_point(lab, mode, n, files, service) for n in mine]
+            finally:
+                await service.aclose()
+
+        [(_, writes)] = await lane(labs[0], [None])
         assert writes[:2] == ["run", "checkpoint step 2"], writes  # the fold's checkpoint, before the input's
         numbers = list(range(1, len(writes) + 1))
 
-        async def lane(lab: Lab, mine: list[int]) -> list[WritePoint]:
-            return [(await run_fold_point(lab, mode, n))[0] for n in mine]
-
         found = await asyncio.gather(*(lane(lab, numbers[i::len(labs)]) for i, lab in enumerate(labs)))
-        return sorted((p for points in found for p in points), key=lambda p: p.n)
+        return sorted((p for points in found for p, _ in points), key=lambda p: p.n)
 
     points = asyncio.run(asyncio.wait_for(matrix(), MATRIX_TIMEOUT))
     report = write_table("a message instead of a resume", mode, points)
