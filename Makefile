@@ -1,22 +1,28 @@
 # Two commands do everything on a fresh clone:
 #   make lab    set up, then start JupyterLab on notebooks/ (loopback only)
 #   make test   set up, then run the unit tests and execute every notebook (nbval and papermill)
+# and one for the inner loop:
+#   make test-fast   the tests that start no lesson, browser, crash matrix or benchmark (-m "not slow")
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PORT ?= 8888
-NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=120 \
-	--nbval-kernel-startup-timeout=120 --nbval-sanitize-with tests/notebooks/sanitize.cfg -p no:python
+# The tests spend most of their time waiting on child processes (kernels, workers, servers): run
+# serially, they keep about 0.6 of a core busy, so they run in more pytest-xdist workers than there
+# are cores. `--dist loadgroup`: the cells of one notebook, and the tests that share a module-scoped
+# fixture (a server), stay in one worker; tests/conftest.py sets the groups and hands out the
+# longest first. Each worker has its own labs, ports and temporary folders.
+# `make test PYTEST_WORKERS=0` runs serially.
+PYTEST_WORKERS ?= 4
+PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+NBVAL_OPTIONS := --nbval-lax --nbval-current-env --nbval-cell-timeout=120 \
+	--nbval-kernel-startup-timeout=120 --nbval-sanitize-with tests/notebooks/sanitize.cfg
 # The lessons are committed without outputs; nbval runs on copies with the golden outputs of their
 # checked cells put back (tests/notebooks/golden/, see tests/notebooks/golden.py).
 NBVAL_COPIES := .lab/nbval
-define run_nbval
-	$(BIN)/python tests/notebooks/golden.py inject $(NBVAL_COPIES)
-	$(BIN)/pytest $(NBVAL_FLAGS) $(NBVAL_COPIES)
-endef
 
-.PHONY: setup lab test test-unit test-notebooks record-golden bench benchmark reset clean
+.PHONY: setup lab test test-fast test-unit test-notebooks record-golden bench benchmark reset clean
 
 setup: $(VENV)/.installed node_modules/.installed .tools/fetch/.installed
 
@@ -46,18 +52,24 @@ lab: setup
 	$(BIN)/sophos-lab lab --port $(PORT)
 
 # Kernels started by the tests keep their IPython profile and connection files in .lab/.
-test test-unit test-notebooks record-golden: export IPYTHONDIR := $(CURDIR)/.lab/ipython
-test test-unit test-notebooks record-golden: export JUPYTER_RUNTIME_DIR := $(CURDIR)/.lab/jupyter-runtime
+test test-fast test-unit test-notebooks record-golden: export IPYTHONDIR := $(CURDIR)/.lab/ipython
+test test-fast test-unit test-notebooks record-golden: export JUPYTER_RUNTIME_DIR := $(CURDIR)/.lab/jupyter-runtime
 
+# One pytest session for the tests and nbval's lessons, so that the workers share out both.
 test: setup
-	$(BIN)/pytest -p no:nbval tests
-	$(run_nbval)
+	$(BIN)/python tests/notebooks/golden.py inject $(NBVAL_COPIES)
+	$(BIN)/pytest -q $(PARALLEL) --durations=25 $(NBVAL_OPTIONS) tests $(NBVAL_COPIES)
+
+test-fast: setup
+	$(BIN)/pytest -p no:nbval -q $(PARALLEL) -m "not slow" tests
 
 test-unit: setup
-	$(BIN)/pytest -p no:nbval tests
+	$(BIN)/pytest -p no:nbval -q $(PARALLEL) tests
 
+# Without tests/conftest.py (it sets the groups) one notebook's cells stay together by file.
 test-notebooks: setup
-	$(run_nbval)
+	$(BIN)/python tests/notebooks/golden.py inject $(NBVAL_COPIES)
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(NBVAL_OPTIONS) -p no:python $(NBVAL_COPIES)
 
 # After a checked output changed on purpose: `make record-golden` (all lessons) or
 # `make record-golden LESSONS="07_side_effects_and_idempotency"`; then review the diff of tests/notebooks/golden/.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import os
 import shutil
 import sqlite3
@@ -39,27 +40,174 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
-# --- the lab --------------------------------------------------------------------------------
+# --- running in parallel (pytest-xdist, `--dist loadgroup`) and `make test-fast` -------------
+
+collect_ignore_glob = ["notebooks/*.ipynb"]
+"""tests/notebooks/ holds fixtures (approval_widget.ipynb is the browser test's), not lessons for nbval."""
+
+SLOW_FILES = {
+    "test_crash_matrix.py",  # the kill matrices: minutes, three lanes of workers each
+    "test_notebooks_papermill.py", "test_notebooks_other_model.py",  # execute whole lessons
+    "test_browser.py", "test_server_browser.py",  # a real Chromium (and JupyterLab)
+    "test_bench.py",  # the benchmarks' own runs
+}
+"""Modules marked `slow`, with the nbval lessons: `make test-fast` (`-m "not slow"`) leaves them out."""
+
+UNGROUPED = {"test_crash_matrix.py"}
+"""Modules whose tests each take minutes and whose module fixtures (a few labs) take seconds: each
+test may go to another worker, which then sets the module fixture up for itself."""
 
 
-@pytest.fixture(scope="session", autouse=True)
-def lab_home(tmp_path_factory):
-    """Labs live in a temporary directory, never in the repository's `.lab/`.
+def _group_of_fixtures(items) -> dict:
+    """Per test that shares a module- or class-scoped fixture: its group, `(module path, fixture)`.
 
-    `OLLAMA_HOST` and `OLLAMA_MODEL` are cleared so that every lab starts the scripted model
-    instead of pointing at a real Ollama the developer may have configured.
+    Those must run in one xdist worker, or each worker would set the fixture (a server, a lab)
+    up again: tests are linked when they use the same such fixture, and a group is a connected
+    set. Tests that use only session- and function-scoped fixtures stay ungrouped, free to go to
+    any worker (a session fixture, like `lab`, is set up once per worker)."""
+    parent: dict = {}
+
+    def find(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None or item.path.name in UNGROUPED:
+            continue
+        for name, defs in info.name2fixturedefs.items():
+            if defs and defs[-1].scope in ("module", "class", "package"):
+                parent[find(item)] = find((item.path, name))
+    return {item: find(item) for item in items if find(item) != item}
+
+
+def _rank(item) -> int:
+    """Longest first, so that no long group starts last: the crash matrices, then whole-lesson
+    runs (nbval, papermill, another model, the browser), then other grouped tests, then the rest."""
+    if item.get_closest_marker("crash_matrix"):
+        return 0
+    if item.get_closest_marker("slow"):
+        return 1
+    return 3 if item.get_closest_marker("xdist_group") is None else 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the slow tests; in an xdist worker, group what must share a worker and put the
+    longest first (the order the controller hands the groups out in).
+
+    This hook sees every collected item, nbval's notebook cells included (`make test` collects
+    tests/ and the nbval copies in one session). A notebook's cells share one kernel and run in
+    order: each notebook is a group of its own.
     """
-    home = tmp_path_factory.mktemp("lab-home")
-    saved = {name: os.environ.get(name) for name in ("SOPHOS_LAB_HOME", "OLLAMA_HOST", "OLLAMA_MODEL")}
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group(f"nbval-{item.path.stem}"))
+        elif item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+    if not hasattr(config, "workerinput"):  # not an xdist worker: nothing to share out
+        return
+    for item, (path, fixture) in _group_of_fixtures([i for i in items if i.path.suffix != ".ipynb"]).items():
+        item.add_marker(pytest.mark.xdist_group(f"{path.stem}-{fixture}"))
+    items.sort(key=_rank)  # stable: in collection order within a rank
+
+
+# `--dist loadgroup` of pytest-xdist 3.8 tells the controller each test's group by appending
+# `@group` to its node id, which pytest 9.2's structured node ids ignore: the groups are silently
+# lost and a notebook's cells go to different workers (pytest-xdist issue #1386). Until a release
+# fixes it, each worker also writes the groups to a file and the controller's scheduler reads them
+# from there; otherwise it is xdist's own loadgroup (LoadScopeScheduling with groups as scopes).
+
+GROUPS_FILE = "xdist-groups.json"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """(controller) Where the workers write the groups: the run's base temporary directory."""
+    node.workerinput["groups_file"] = str(node.config._tmp_path_factory.getbasetemp() / GROUPS_FILE)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reports the collection to the controller
+def pytest_collection_finish(session):
+    """(worker) Write `{node id: group}` for the controller's scheduler (all workers collect alike)."""
+    config = session.config
+    if not (hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False)):
+        return
+    groups = {}
+    for item in session.items:
+        names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                        for mark in item.iter_markers("xdist_group")})
+        if names:
+            groups[item.nodeid] = "_".join(names)
+    path = Path(config.workerinput["groups_file"])
+    scratch = path.with_name(f"{path.name}.{config.workerinput['workerid']}")
+    scratch.write_text(json.dumps(groups), encoding="utf-8")
+    os.replace(scratch, path)  # atomic: the controller never reads half a file
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """A test's scope is its group (as the workers wrote them), else its own node id; the
+        groups go out in the workers' order, longest first (see `_rank`)."""
+
+        def __init__(self, config, log):
+            super().__init__(config, log)
+            self.groups: dict[str, str] | None = None
+            config.option.loadscopereorder = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # every worker has written the file before it reported its collection
+                path = config._tmp_path_factory.getbasetemp() / GROUPS_FILE
+                self.groups = json.loads(path.read_text(encoding="utf-8"))
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
+
+
+# --- the lab ---------------------------------------------------------------------------------
+
+LAB_ENV = ("SOPHOS_LAB_HOME", "OLLAMA_HOST", "OLLAMA_MODEL")
+_saved_lab_env: dict[str, str | None] = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    """Labs live in a temporary directory of this pytest process, never in the repository's `.lab/`.
+
+    Set for the whole session, before the first test, so that every kernel and child started in
+    this process gets it: the tests' and the nbval lessons' (`make test` runs both in one pytest).
+    Under pytest-xdist each worker has a base temporary directory of its own (`popen-gwN`), so two
+    workers never share a lab, even one of the same name. `OLLAMA_HOST` and `OLLAMA_MODEL` are
+    cleared so that every lab starts the scripted model instead of pointing at a real Ollama the
+    developer may have configured.
+    """
+    # what the tmp_path_factory fixture returns; a hook has no fixtures
+    home = session.config._tmp_path_factory.mktemp("lab-home")
+    _saved_lab_env.update({name: os.environ.get(name) for name in LAB_ENV})
     os.environ["SOPHOS_LAB_HOME"] = str(home)
     os.environ.pop("OLLAMA_HOST", None)
     os.environ.pop("OLLAMA_MODEL", None)
-    yield home
-    for name, value in saved.items():
+
+
+def pytest_sessionfinish(session):
+    for name, value in _saved_lab_env.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def lab_home() -> Path:
+    """This process's lab home (`SOPHOS_LAB_HOME`, see `pytest_sessionstart`)."""
+    return Path(os.environ["SOPHOS_LAB_HOME"])
 
 
 @pytest.fixture(scope="session")

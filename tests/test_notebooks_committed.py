@@ -2,7 +2,8 @@
 
 A learner who opens a lesson must not find the answers saved next to the 🔮 prompts. nbval's
 comparisons are kept by `tests/notebooks/golden.py inject`, which puts the golden outputs back into
-copies (`make test-notebooks` runs nbval on those). These tests keep the two sides in step.
+copies (`make test` and `make test-notebooks` run nbval on those). These tests keep the two sides in
+step, and check that each lesson has the knobs (`parameters` cell) the other runs set.
 """
 
 from __future__ import annotations
@@ -93,3 +94,40 @@ def test_the_chat_lesson_stops_before_resume_and_its_nbval_copy_clicks(tmp_path:
     (copy,) = golden.inject(tmp_path, ["06_chat_and_resume"])
     assert re.search(r"(?m)^CLICK_RESUME = True\b", parameters(copy))
     assert re.search(r"(?m)^CHILD = \"kernel\"", parameters(copy)), "the rest of the cell is kept"
+
+
+# --- the knobs: one `parameters` cell, which papermill overrides --------------------------
+
+WITHOUT_CHILD = {"09_own_the_process", "10_streaming_is_not_persistence"}
+"""The lessons whose agent is `sophos-lab serve` (`lab.server()`): no `CHILD` knob."""
+EXTRA_PARAMETERS = {
+    "06_chat_and_resume": {"CLICK_RESUME": True},
+    "10_streaming_is_not_persistence": {"DISCONNECT_AFTER": 1},
+}
+"""Per lesson, the parameters the other-model run (test_notebooks_other_model.py) injects besides `CHILD`."""
+
+
+def parameter_names(path: Path) -> set[str]:
+    notebook = nbformat.read(path, as_version=4)
+    cells = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, f"{path.name} needs exactly one cell tagged 'parameters'"
+    return {line.split("=")[0].strip() for line in cells[0].source.splitlines() if "=" in line}
+
+
+def parameters(path: Path) -> dict[str, object]:
+    """What papermill injects into `path` (the other-model run): `CHILD = "worker"` where the lesson
+    has the knob, and its EXTRA_PARAMETERS."""
+    names = parameter_names(path)
+    injected: dict[str, object] = {"CHILD": "worker"} if "CHILD" in names else {}
+    injected.update(EXTRA_PARAMETERS.get(path.stem, {}))
+    assert set(injected) <= names, f"{path.name} has no parameters {set(injected) - names}"
+    return injected
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_lesson_has_the_knobs_its_runs_set(path: Path) -> None:
+    """One `parameters` cell with `CHILD` (except where a server is the agent), and every extra
+    parameter a run injects: a knob renamed away would otherwise be injected into nothing."""
+    names = parameter_names(path)
+    assert ("CHILD" in names) is (path.stem not in WITHOUT_CHILD), (path.name, names)
+    parameters(path)

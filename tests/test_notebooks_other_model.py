@@ -3,7 +3,9 @@
 `OLLAMA_HOST` points at `servers/ollama_like.py`, a second Ollama-protocol server that chooses
 its tool calls from the user's message as a real model would; each lab then puts its recording
 proxy in front of it, so the kill points stay exact. papermill runs each lesson to the end with
-the agent in a plain subprocess. Checks of what the model chose (which tool, how many calls, the
+the agent in a plain subprocess (`CHILD = "worker"`; nbval runs them with a child kernel), lesson 06
+pressing Resume itself and lesson 10 hanging up after one token (test_notebooks_papermill.py
+says what each run of a lesson checks). Checks of what the model chose (which tool, how many calls, the
 text) are made for the scripted model only, and the lessons say so when they skip them.
 
 The lessons whose kill point needs a tool call (04-11; 12's gated payment; 13's held page) run
@@ -21,6 +23,7 @@ import nbformat
 import papermill
 import pytest
 from conftest import OLLAMA_LIKE_MODEL
+from test_notebooks_committed import parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -35,11 +38,14 @@ def test_the_lesson_runs_to_the_end_with_another_ollama_server(path, ollama_like
     monkeypatch.setenv("OLLAMA_MODEL", f"{OLLAMA_LIKE_MODEL}-hesitant" if hesitant else OLLAMA_LIKE_MODEL)
     out = ROOT / ".lab" / "executed-other-model" / path.name
     out.parent.mkdir(parents=True, exist_ok=True)
+    injected = parameters(path)
     papermill.execute_notebook(
-        str(path), str(out), parameters={"CHILD": "worker"}, kernel_name="python3",
+        str(path), str(out), parameters=injected, kernel_name="python3",
         cwd=str(path.parent), execution_timeout=120, start_timeout=120, progress_bar=False,
     )
     executed = nbformat.read(out, as_version=4)
+    injected_cells = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert injected_cells or not injected, "papermill did not inject the parameters"
     errors = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, errors
     described = "".join(
