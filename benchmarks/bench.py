@@ -1,9 +1,14 @@
 """Every benchmark of the kit, one table: `make bench` (`--quick` for a fast smoke run).
 
 Each module of this folder named in BENCHMARKS exposes `rows(quick: bool = False) -> list[dict]`
-with the keys `benchmark`, `measure`, `kit`, `bare` (a float, or None where bare LangGraph has
-no counterpart) and `unit`; the ratio kit / bare is computed here, from figures measured in the
-same run. A module that is missing is skipped with a note; one that fails stops the run.
+with the keys `benchmark`, `measure`, `unit` and the figures of each repeat: `kit_runs` and
+`bare_runs` (lists of floats; `bare_runs` empty or missing where bare LangGraph has no
+counterpart), or `kit` / `bare` alone for a figure that is computed, not measured (`computed`:
+True). The table shows the median of each side, the ratio of the medians (kit / bare, from
+figures measured in the same run) and, after each measure, the spread: `[n=7: kit min-max, bare
+min-max, ratio min-max]`, the ratio's over the repeats that ran side by side (a module gives both
+sides' runs in the same order, one pair per repeat). A module that is missing is skipped with a
+note; one that fails stops the run.
 
     python benchmarks/bench.py [--quick] [--only listing,startup]
 """
@@ -14,6 +19,7 @@ import argparse
 import importlib
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -24,11 +30,45 @@ BENCHMARKS = ("steps", "growth", "listing", "startup", "sse", "retries")
 COLUMNS = ("benchmark", "measure", "kit", "bare LangGraph", "ratio", "unit")
 
 
+def complete(row: dict) -> dict:
+    """The row with `kit` and `bare` set to the medians of its runs (where it has runs)."""
+    row = dict(row)
+    for side in ("kit", "bare"):
+        runs = row.get(f"{side}_runs") or []
+        if runs:
+            row[side] = statistics.median(runs)
+        else:
+            row.setdefault(side, None)
+    if row["kit"] is None:
+        raise ValueError(f"{row['benchmark']}: {row['measure']!r} has no figure")
+    return row
+
+
 def ratio(row: dict) -> float | None:
     kit, bare = row.get("kit"), row.get("bare")
     if kit is None or not bare:
         return None
     return kit / bare
+
+
+def spread(row: dict) -> str:
+    """What follows the measure: the number of repeats and the min-max of each side (and of the
+    ratio, over the pairs), or `[computed]` for a figure that was not measured."""
+    if row.get("computed"):
+        return " [computed]"
+    kit, bare = row.get("kit_runs") or [], row.get("bare_runs") or []
+    if not kit:
+        return ""
+    def span(values: list[float], text=figure) -> str:
+        return text(values[0]) if len(values) == 1 else f"{text(min(values))}-{text(max(values))}"
+
+    parts = [f"kit {span(kit)}"]
+    if bare:
+        parts.append(f"bare {span(bare)}")
+    if bare and len(bare) == len(kit) and all(bare):
+        parts.append(f"ratio {span([k / b for k, b in zip(kit, bare)], ratio_text)}")
+    n = f"n={len(kit)}" if not bare or len(bare) == len(kit) else f"n={len(kit)} kit, {len(bare)} bare"
+    return f" [{n}: {', '.join(parts)}]"
 
 
 def ratio_text(value: float | None) -> str:
@@ -48,9 +88,11 @@ def figure(value: float | None) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The rows as a Markdown table (it reads as text too, and pastes into the README)."""
+    """The rows as a Markdown table (it reads as text too, and pastes into the README): medians,
+    the ratio of the medians, and the spread after each measure (see `spread`)."""
+    rows = [complete(row) for row in rows]
     cells = [
-        [row["benchmark"], row["measure"], figure(row.get("kit")), figure(row.get("bare")),
+        [row["benchmark"], row["measure"] + spread(row), figure(row.get("kit")), figure(row.get("bare")),
          ratio_text(ratio(row)), row["unit"]]
         for row in rows
     ]
@@ -78,6 +120,18 @@ def machine() -> str:
     return f"{os.cpu_count()} x {model}, Python {platform.python_version()}, {platform.system()}"
 
 
+def load() -> str:
+    """The 1-minute load average: other work on the machine shows in every figure."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "unknown"
+
+
+LEGEND = ("Each figure is the median of n repeats; [n=...: min-max of each side, and of the ratio "
+          "kit / bare over the repeats run side by side] follows each measure.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions: a smoke run")
@@ -89,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown benchmark {', '.join(unknown)} (known: {', '.join(BENCHMARKS)})")
 
     rows, notes = [], []
+    load_before = load()
     for name in chosen:
         if not (HERE / f"{name}.py").exists():
             notes.append(f"{name}: skipped (benchmarks/{name}.py is not there)")
@@ -100,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"{name}: bare = {module.BARE}")
 
     print(f"Machine: {machine()}{' (quick run: smoke figures, not for comparison)' if args.quick else ''}")
+    print(f"Load average (1 min): {load_before} at the start, {load()} at the end")
+    print(LEGEND)
     print()
     print(format_table(rows))
     if notes:

@@ -201,10 +201,14 @@ async def _grow(threads: dict, marks: tuple[int, ...]) -> dict[str, list[Mark]]:
     return found
 
 
-def measure(marks: tuple[int, ...], rounds: int) -> dict[str, list[Mark]]:
-    """`grow` `rounds` times; sizes from the last round (they are the same every time), times
-    the median over the rounds."""
-    runs = [asyncio.run(grow(marks)) for _ in range(rounds)]
+def measure(marks: tuple[int, ...], rounds: int) -> list[dict[str, list[Mark]]]:
+    """`grow` `rounds` times, each on fresh files: every round's figures."""
+    return [asyncio.run(grow(marks)) for _ in range(rounds)]
+
+
+def medians(runs: list[dict[str, list[Mark]]]) -> dict[str, list[Mark]]:
+    """One Mark per mark and side: sizes from the last round (they are the same every time),
+    times the median over the rounds."""
     return {
         name: [
             Mark(
@@ -219,30 +223,34 @@ def measure(marks: tuple[int, ...], rounds: int) -> dict[str, list[Mark]]:
     }
 
 
-def table_rows(found: dict[str, list[Mark]]) -> list[dict]:
+def table_rows(runs: list[dict[str, list[Mark]]]) -> list[dict]:
+    """The rows of `make bench`'s table, each with every round's figure per side (a ratio of two
+    turns is taken within each round)."""
     rows: list[dict] = []
 
-    def add(measure: str, kit: float, bare: float | None, unit: str) -> None:
-        rows.append({"benchmark": "growth", "measure": measure, "kit": kit, "bare": bare, "unit": unit})
+    def add(measure: str, figure, unit: str, bare: bool = True) -> None:
+        rows.append({"benchmark": "growth", "measure": measure, "unit": unit,
+                     "kit_runs": [figure(run["kit"]) for run in runs],
+                     "bare_runs": [figure(run["bare"]) for run in runs] if bare else []})
 
-    for kit, bare in zip(found["kit"], found["bare"]):
-        add(f"{kit.turn} turns: database MB", kit.file_bytes / 1e6, bare.file_bytes / 1e6, "MB")
-        add(f"{kit.turn} turns: database / raw message bytes", kit.ratio, bare.ratio, "x")
-        add(f"{kit.turn} turns: time per turn (last {LAST_TURNS})", kit.ms_per_turn, bare.ms_per_turn, "ms")
-        add(f"{kit.turn} turns: CPU time per turn (this process)", kit.cpu_ms_per_turn, bare.cpu_ms_per_turn, "ms")
-    first, last = found["kit"][0], found["kit"][-1]
-    bare_first, bare_last = found["bare"][0], found["bare"][-1]
-    add(f"{last.turn} turns: raw message MB", last.raw_bytes / 1e6, bare_last.raw_bytes / 1e6, "MB")
-    add(f"time per turn, turn {last.turn} / turn {first.turn}", last.ms_per_turn / first.ms_per_turn,
-        bare_last.ms_per_turn / bare_first.ms_per_turn, "x")
-    add(f"CPU time per turn, turn {last.turn} / turn {first.turn}", last.cpu_ms_per_turn / first.cpu_ms_per_turn,
-        bare_last.cpu_ms_per_turn / bare_first.cpu_ms_per_turn, "x")
-    add(f"the model request alone, turn {last.turn} / turn {first.turn}", last.model_ms / first.model_ms, None, "x")
+    turns = [mark.turn for mark in runs[0]["kit"]]
+    for at, turn in enumerate(turns):
+        add(f"{turn} turns: database MB", lambda marks, at=at: marks[at].file_bytes / 1e6, "MB")
+        add(f"{turn} turns: database / raw message bytes", lambda marks, at=at: marks[at].ratio, "x")
+        add(f"{turn} turns: time per turn (last {LAST_TURNS})", lambda marks, at=at: marks[at].ms_per_turn, "ms")
+        add(f"{turn} turns: CPU time per turn (this process)", lambda marks, at=at: marks[at].cpu_ms_per_turn, "ms")
+    first, last = turns[0], turns[-1]
+    add(f"{last} turns: raw message MB", lambda marks: marks[-1].raw_bytes / 1e6, "MB")
+    add(f"time per turn, turn {last} / turn {first}", lambda marks: marks[-1].ms_per_turn / marks[0].ms_per_turn, "x")
+    add(f"CPU time per turn, turn {last} / turn {first}",
+        lambda marks: marks[-1].cpu_ms_per_turn / marks[0].cpu_ms_per_turn, "x")
+    add(f"the model request alone, turn {last} / turn {first}",
+        lambda marks: marks[-1].model_ms / marks[0].model_ms, "x", bare=False)
     return rows
 
 
 def rows(quick: bool = False) -> list[dict]:
-    """The growth figures as rows of `make bench`'s table: `benchmark`, `measure`, `kit`, `bare`, `unit`."""
+    """The growth figures as rows of `make bench`'s table (see `table_rows`)."""
     return table_rows(measure(QUICK_MARKS, 1) if quick else measure(MARKS, ROUNDS))
 
 
@@ -283,7 +291,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"stop at turn {QUICK_MARKS[-1]}, one round")
     args = parser.parse_args()
     rounds = 1 if args.quick else ROUNDS
-    print_table(measure(QUICK_MARKS if args.quick else MARKS, rounds), rounds)
+    from bench import machine
+
+    print(f"Machine: {machine()}")
+    print_table(medians(measure(QUICK_MARKS if args.quick else MARKS, rounds)), rounds)
 
 
 if __name__ == "__main__":

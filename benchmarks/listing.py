@@ -1,11 +1,24 @@
 """Listing conversations at scale: 10,000 conversations with 3 runs each.
 
-The kit's `AgentService.conversation_page` (keyset pagination, schema version 3's indexes)
-against the listing query of schema version 2 — a correlated subquery per row, a sort of every
-conversation — on a copy of the same file with version 2's indexes, paged the only way that
-query can be (LIMIT / OFFSET). Each figure is the median of several calls on a warm cache.
+Two anchors, each on a copy of the same file (the same rows, written through the kit's schema)
+with the indexes it had: `runs_by_conversation (conversation_id, started_at)` and no index on
+`updated_at` (the original's one index, which schema version 2 still had):
 
-    python benchmarks/listing.py [--quick]
+- the pages: the kit's `AgentService.conversation_page` (keyset pagination, schema version 4's
+  indexes) against schema version 2's listing query (a correlated subquery per row, a sort of
+  every conversation), paged the only way that query can be (LIMIT / OFFSET);
+- the whole list: the kit's `AgentService.list_conversations()` against the original's own
+  summary query: each conversation joined with its latest run, found by `ORDER BY started_at
+  DESC, rowid DESC LIMIT 1` off its index, joined by the run's id, sorted by `updated_at DESC`.
+
+Both sides return the same thing: a list of `Conversation` dataclasses, in the same order (checked
+before anything is timed). The anchors build each one with the dataclass's own constructor,
+`Conversation(*row)` from a tuple row (as the original built one object per row, `toSummary`);
+the kit's `list_conversations()` includes what the service does before it reads (the recovery
+check). The calls alternate, kit and anchor, so drift on the machine hits both alike; each
+figure is the median of REPEAT calls on a warm cache, and the spread is printed with it.
+
+    python benchmarks/listing.py [--quick]    # the rows, and where the whole list's time goes
 """
 
 from __future__ import annotations
@@ -30,7 +43,14 @@ from sophos_lab.runtime.store import Conversation, Store  # noqa: E402
 CONVERSATIONS = 10_000
 RUNS_EACH = 3
 PAGE = 50
-BARE = "schema version 2's listing query (a subquery per row, a full sort) on the same rows with its indexes"
+REPEAT = 21
+BARE = (
+    "schema version 2's listing query (a subquery per row, a full sort; paged with LIMIT / OFFSET) "
+    "for the pages; for all conversations, the original's own summary query (the latest run by "
+    "started_at DESC, rowid DESC off its index (conversation_id, started_at), sorted by updated_at); "
+    "both on a copy of the same file with those indexes, each row a Conversation built by its "
+    "constructor from a tuple; both sides return the same list of Conversation objects"
+)
 LATER_PAGE = 100
 """The page number of the "later page" figure (rows 4,951 to 5,000 of 10,000)."""
 
@@ -44,6 +64,18 @@ LEFT JOIN runs r ON r.rowid = (
     SELECT rowid FROM runs WHERE conversation_id = c.id ORDER BY rowid DESC LIMIT 1
 )
 ORDER BY c.updated_at DESC, c.rowid DESC"""
+# The original's summary query (`SUMMARY_SELECT` and `listConversations` in its
+# persistence/conversations.ts): the latest run by start time, off its index of
+# (conversation_id, started_at), joined by the run's id; the list sorted by updated_at.
+ORIGINAL_LISTING = """
+SELECT c.id, c.title, c.created_at, c.updated_at, c.message_count,
+       r.status, r.error_code, r.error_message
+FROM conversations c
+LEFT JOIN runs r ON r.id = (
+    SELECT id FROM runs WHERE conversation_id = c.id ORDER BY started_at DESC, rowid DESC LIMIT 1
+)
+ORDER BY c.updated_at DESC"""
+# The original's index (and schema version 2's), in place of schema version 4's.
 OLD_INDEXES = """
 DROP INDEX conversations_by_recency;
 DROP INDEX runs_by_conversation;
@@ -80,61 +112,113 @@ def fill(path: Path, conversations: int) -> None:
     conn.close()
 
 
-def median_ms(call, repeat: int) -> float:
-    call()  # warm the page cache and the statement cache, as a server that keeps running would
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+def paired_ms(kit, bare, repeat: int) -> tuple[list[float], list[float]]:
+    """Milliseconds of `repeat` calls of each, alternating which goes first; after one warm-up
+    call of each (the page cache and the statement cache, as a server that keeps running has)."""
+    kit(), bare()
+    times: dict[object, list[float]] = {kit: [], bare: []}
+    for number in range(repeat):
+        for call in (kit, bare) if number % 2 == 0 else (bare, kit):
+            start = time.perf_counter()
+            call()
+            times[call].append((time.perf_counter() - start) * 1000)
+    return times[kit], times[bare]
+
+
+def anchor(conn: sqlite3.Connection, sql: str):
+    """The anchor's call: the query's tuple rows, each a Conversation by its constructor."""
+    return lambda: [Conversation(*row) for row in conn.execute(sql)]
+
+
+class Files:
+    """The kit's file and the anchors' copy, filled once."""
+
+    def __init__(self, folder: Path, conversations: int) -> None:
+        kit_db, old_db = folder / "kit.db", folder / "old.db"
+        fill(kit_db, conversations)
+        shutil.copy(kit_db, old_db)
+        self.old = sqlite3.connect(old_db)  # tuple rows
+        self.old.executescript(OLD_INDEXES)
+        self.service = AgentService(Settings.from_env({"DATABASE_PATH": str(kit_db)}))
+
+    def close(self) -> None:
+        self.service.store.close()
+        self.old.close()
 
 
 def rows(quick: bool = False) -> list[dict]:
     conversations = 1_000 if quick else CONVERSATIONS
-    repeat = 3 if quick else 15
+    repeat = 3 if quick else REPEAT
     later = min(LATER_PAGE, conversations // PAGE // 2)
     scale = f"{conversations:,} conversations x {RUNS_EACH} runs"
     with tempfile.TemporaryDirectory() as tmp:
-        kit_db, old_db = Path(tmp) / "kit.db", Path(tmp) / "old.db"
-        fill(kit_db, conversations)
-        shutil.copy(kit_db, old_db)
-        old = sqlite3.connect(old_db)
-        old.row_factory = sqlite3.Row
-        old.executescript(OLD_INDEXES)
-
-        service = AgentService(Settings.from_env({"DATABASE_PATH": str(kit_db)}))
+        files = Files(Path(tmp), conversations)
+        service, old = files.service, files.old
         try:
             cursor = None
             for _ in range(later - 1):
                 cursor = service.conversation_page(PAGE, cursor).next_cursor
 
             def old_page(offset: int):
-                return lambda: [Conversation(**row) for row in old.execute(
-                    f"{OLD_LISTING} LIMIT {PAGE} OFFSET {offset}")]
+                return anchor(old, f"{OLD_LISTING} LIMIT {PAGE} OFFSET {offset}")
+
+            # Like with like: the same conversations, the same fields, the same order.
+            if service.list_conversations() != anchor(old, ORIGINAL_LISTING)():
+                raise RuntimeError("the kit's list_conversations() and the original's query disagree")
+            if service.conversation_page(PAGE, cursor).conversations != old_page((later - 1) * PAGE)():
+                raise RuntimeError(f"the kit's page {later} and the OFFSET page disagree")
 
             measured = [
                 (f"first page of {PAGE}, {scale}",
-                 median_ms(lambda: service.conversation_page(PAGE), repeat),
-                 median_ms(old_page(0), repeat)),
+                 *paired_ms(lambda: service.conversation_page(PAGE), old_page(0), repeat)),
                 (f"page {later} of {PAGE} (cursor; bare: OFFSET), {scale}",
-                 median_ms(lambda: service.conversation_page(PAGE, cursor), repeat),
-                 median_ms(old_page((later - 1) * PAGE), repeat)),
-                (f"all conversations, list_conversations(), {scale}",
-                 median_ms(service.list_conversations, max(3, repeat // 3)),
-                 median_ms(lambda: [Conversation(**row) for row in old.execute(OLD_LISTING)], max(3, repeat // 3))),
+                 *paired_ms(lambda: service.conversation_page(PAGE, cursor), old_page((later - 1) * PAGE), repeat)),
+                (f"all conversations, list_conversations() (bare: the original's summary query), {scale}",
+                 *paired_ms(service.list_conversations, anchor(old, ORIGINAL_LISTING), repeat)),
             ]
         finally:
-            service.store.close()
-            old.close()
+            files.close()
     return [
-        {"benchmark": "listing", "measure": measure, "kit": kit, "bare": bare, "unit": "ms"}
+        {"benchmark": "listing", "measure": measure, "kit_runs": kit, "bare_runs": bare, "unit": "ms"}
         for measure, kit, bare in measured
     ]
 
 
-if __name__ == "__main__":
-    from bench import format_table
+def breakdown(quick: bool = False) -> list[tuple[str, list[float]]]:
+    """Where the whole list's time goes, each side: the query alone (tuple rows, no objects),
+    and the query with the objects built (milliseconds of REPEAT calls)."""
+    conversations = 1_000 if quick else CONVERSATIONS
+    repeat = 3 if quick else REPEAT
+    with tempfile.TemporaryDirectory() as tmp:
+        files = Files(Path(tmp), conversations)
+        store, old = files.service.store, files.old
+        try:
+            from sophos_lab.runtime.store import _LISTING_ORDER, _LISTING_SQL
 
+            kit_conn = sqlite3.connect(store.path)  # tuple rows, the kit's file and query
+            kit_query = _LISTING_SQL + _LISTING_ORDER
+            sql_kit, sql_bare = paired_ms(lambda: kit_conn.execute(kit_query).fetchall(),
+                                          lambda: old.execute(ORIGINAL_LISTING).fetchall(), repeat)
+            store_kit, built_bare = paired_ms(store.list_conversations, anchor(old, ORIGINAL_LISTING), repeat)
+            kit_conn.close()
+        finally:
+            files.close()
+    return [
+        ("kit: the query alone (tuples)", sql_kit),
+        ("kit: Store.list_conversations() (no recovery check)", store_kit),
+        ("original: the query alone (tuples)", sql_bare),
+        ("original: the query, Conversation(*row) per row", built_bare),
+    ]
+
+
+if __name__ == "__main__":
+    from bench import format_table, machine
+
+    quick = "--quick" in sys.argv
+    print(f"Machine: {machine()}")
     print(f"bare: {BARE}")
-    print(format_table(rows(quick="--quick" in sys.argv)))
+    print(format_table(rows(quick=quick)))
+    print()
+    print(f"The whole list, min / median / max of {3 if quick else REPEAT} calls:")
+    for label, times in breakdown(quick=quick):
+        print(f"  {label:<52} {min(times):6.1f} / {statistics.median(times):6.1f} / {max(times):6.1f} ms")

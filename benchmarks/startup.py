@@ -11,20 +11,32 @@
   written); and to the resume's first token, which adds the MCP servers' start and discovery
   (they start on a run's first model call) and the scripted model's first chunk (zero delay
   before its first token): no model time worth the name.
+  Bare, beside the worker's rows: bare LangGraph in a child of its own (`bare_agent.py`: the
+  same graph shape, saver, model client and MCP servers, nothing of the kit), killed at the same
+  point of the same answer; then a fresh interpreter imports the same libraries, opens the
+  saver, reads the thread's state and resumes (`graph.astream(None)`). Timed from the SIGKILL to
+  the resumed stream's first item (the agent task's start: nothing has run yet) and to its first
+  token (which adds the MCP servers' start and discovery, as for the kit). Bare LangGraph has no
+  run rows to recover or write and no events: what the kit adds is those, its own modules in the
+  child and the lab's commands to it (`conversations`, then `resume`).
 
-Medians of ROUNDS rounds, one lab (scripted model, web fixtures) for all of them.
+Medians of ROUNDS rounds (each figure's spread is printed with it), one lab (scripted model, web
+fixtures) for all of them; worker, bare and kernel take turns within each round.
 
     python benchmarks/startup.py [--quick]
 """
 
 from __future__ import annotations
 
+import json
 import os
-import statistics
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,8 +44,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sophos_lab.lab.harness import Lab  # noqa: E402
+from sophos_lab.runtime.tools import mcp_servers  # noqa: E402
 
-BARE = "a fresh interpreter importing the same libraries (LangGraph, its SQLite saver, ChatOllama, the MCP adapters)"
+BARE = (
+    "a fresh interpreter importing the same libraries (LangGraph, its SQLite saver, ChatOllama, the MCP "
+    "adapters) for start -> ready; for the worker's kill -> resume, bare LangGraph in a child of its own "
+    "(benchmarks/bare_agent.py: the same graph shape, saver, model client and MCP servers), killed at the same "
+    "point and resumed with graph.astream(None) in a fresh interpreter"
+)
+BARE_AGENT = Path(__file__).resolve().parent / "bare_agent.py"
 ROUNDS = 7
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 BARE_IMPORTS = (
@@ -73,6 +92,74 @@ def bare_start() -> float:
     seconds = time.perf_counter() - start
     proc.communicate("\n")
     return seconds
+
+
+class BareChild:
+    """`bare_agent.py` in a process group of its own, its stdout lines read as they come."""
+
+    def __init__(self, lab: Lab, *args: str) -> None:
+        settings = lab.settings(MEMORY_FILE_PATH=str(lab.root / "bare-memory.jsonl"))
+        servers = [
+            {"name": s.name, "command": s.command, "args": list(s.args), "env": dict(s.env), "cwd": s.cwd}
+            for s in mcp_servers(settings) if s.command
+        ]
+        env = {**os.environ, "OLLAMA_HOST": lab.ollama_host, "OLLAMA_MODEL": lab.ollama_model,
+               "BARE_SYSTEM_PROMPT": (lab.config_dir / "system.md").read_text(encoding="utf-8"),
+               "BARE_SERVERS": json.dumps(servers)}
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        with open(lab.root / "logs" / "bare-agent.log", "ab") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(BARE_AGENT), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=stderr, env=env, cwd=lab.root, start_new_session=True, text=True, bufsize=1,
+            )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(line.strip())
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append("exited")
+            self.changed.notify_all()
+
+    def wait_for(self, word: str, timeout: float = 60.0) -> str:
+        """The first line starting with `word` (waiting for it); a child that exits first fails."""
+        with self.changed:
+            found = self.changed.wait_for(
+                lambda: any(line.split(" ")[0] in (word, "exited") for line in self.lines), timeout)
+            line = next((line for line in self.lines if line.split(" ")[0] in (word, "exited")), None)
+        if not found or line == "exited":
+            raise RuntimeError(f"the bare LangGraph child did not print {word!r}: {self.lines}")
+        return line
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)  # as the lab kills its children
+        self.proc.wait()
+
+
+def bare_kill_and_resume(lab: Lab) -> dict[str, list[float]]:
+    """The same kill -> resume with bare LangGraph: seconds from the SIGKILL to the resumed
+    stream's first item, and to its first token."""
+    db, thread = str(lab.root / "bare.db"), str(uuid.uuid4())
+    lab.model.arm("summary")
+    child = BareChild(lab, "chat", db, thread, SUMMARISE.format(url=lab.page("wal.html")))
+    child.wait_for("result")
+    lab.model.wait_paused()
+    killed = time.perf_counter()
+    child.kill()
+    fresh = BareChild(lab, "resume", db, thread)
+    fresh.wait_for("started")
+    started = time.perf_counter()
+    fresh.wait_for("token")
+    first_token = time.perf_counter()
+    final = fresh.wait_for("end")
+    fresh.proc.wait(timeout=30)
+    lab.model.release()  # the stream the killed child was reading
+    if final != "end 4":  # the user's message, the tool call, its result, the answer
+        raise RuntimeError(f"the bare resume did not complete: {fresh.lines}")
+    return {"started": [started - killed], "token": [first_token - killed]}
 
 
 def start_child(lab: Lab, kind: str):
@@ -115,27 +202,30 @@ def rows(quick: bool = False) -> list[dict]:
     figures: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp, lab_in(Path(tmp)) as lab:
         for _ in range(rounds):  # interleaved, so drift on the machine hits every figure alike
-            for kind in ("worker", "kernel"):
-                for name, values in kill_and_resume(lab, kind).items():
+            for kind in ("worker", "bare", "kernel"):
+                found = bare_kill_and_resume(lab) if kind == "bare" else kill_and_resume(lab, kind)
+                for name, values in found.items():
                     figures.setdefault(f"{kind} {name}", []).extend(values)
 
-    median = {name: statistics.median(values) for name, values in figures.items() if values}
     measured = [
-        ("worker child: start -> ready", median["worker ready"], median["worker bare"]),
-        ("kernel child: start -> ready (setup cell done)", median["kernel ready"], None),
-        ("worker: SIGKILL -> new child -> recovery -> resume's first event", median["worker started"], None),
-        ("worker: SIGKILL -> ... -> resume's first token (MCP start included)", median["worker token"], None),
-        ("kernel: SIGKILL -> new child -> recovery -> resume's first event", median["kernel started"], None),
-        ("kernel: SIGKILL -> ... -> resume's first token (MCP start included)", median["kernel token"], None),
+        ("worker child: start -> ready", "worker ready", "worker bare"),
+        ("kernel child: start -> ready (setup cell done)", "kernel ready", None),
+        ("worker: SIGKILL -> new child -> recovery -> resume's first event (bare: first item of the resumed stream)",
+         "worker started", "bare started"),
+        ("worker: SIGKILL -> ... -> resume's first token (MCP start included)", "worker token", "bare token"),
+        ("kernel: SIGKILL -> new child -> recovery -> resume's first event", "kernel started", None),
+        ("kernel: SIGKILL -> ... -> resume's first token (MCP start included)", "kernel token", None),
     ]
     return [
-        {"benchmark": "startup", "measure": measure, "kit": kit, "bare": bare, "unit": "s"}
+        {"benchmark": "startup", "measure": measure, "kit_runs": figures[kit],
+         "bare_runs": figures[bare] if bare else [], "unit": "s"}
         for measure, kit, bare in measured
     ]
 
 
 if __name__ == "__main__":
-    from bench import format_table
+    from bench import format_table, machine
 
+    print(f"Machine: {machine()}")
     print(f"bare: {BARE}")
     print(format_table(rows(quick="--quick" in sys.argv)))
