@@ -16,6 +16,7 @@ reads say `STORAGE_FULL` too, and nothing dies; a run that the full disk stopped
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -301,3 +302,26 @@ async def test_a_run_the_full_disk_stopped_stays_running_and_the_next_open_with_
         assert [r.status for r in fresh.list_runs(conversation)] == ["interrupted", "completed"]
         assert [m["role"] for m in (await fresh.get_conversation(conversation)).messages] == ["user", "assistant"]
     assert integrity(disk.db) == "ok"
+
+
+async def test_the_process_whose_run_could_not_record_its_end_relabels_it_once_there_is_room(lab, disk, open_service):
+    """A live process's own run is left alone by recovery (its owner is alive), so the process
+    itself relabels the run it could not record: the conversation is not held `running` until a
+    restart."""
+    lab.model.arm("essay")
+    async with open_service(DATABASE_PATH=str(disk.db)) as agent:
+        run = await agent.chat(ESSAY)
+        await asyncio.to_thread(lab.model.wait_paused)
+        disk.fill()
+        lab.model.release()
+        final = await run.wait()
+        still_full = await agent.get_conversation(run.conversation)  # reads; cannot relabel yet
+
+        disk.free()
+        detail = await agent.get_conversation(run.conversation)
+        resumed = await (await agent.resume(run.conversation)).wait()
+
+    assert (final.event, final.data["code"]) == ("chat-error", "STORAGE_FULL")
+    assert still_full.conversation.status == "running"
+    assert (detail.conversation.status, detail.resumable) == ("interrupted", True)
+    assert resumed.event == "end"

@@ -283,6 +283,10 @@ class AgentService:
         self._saver_conn = None
         self._opening = asyncio.Lock()
         self._lease_keeper: asyncio.Task | None = None
+        self._unrecorded: dict[str, str] = {}
+        """run id → conversation: this process's runs whose outcome it could not write (a full
+        disk). Their rows say `running` under a live owner, which recovery leaves alone: they are
+        relabelled `interrupted` here, as a crash's are, once the disk has room again."""
         self.on_write: WriteObserver | None = None
         """Called right after each commit a run makes, in order, before any event tells of it:
         the run's row, each task's pending writes, each checkpoint, the outcome (see
@@ -322,7 +326,7 @@ class AgentService:
         """The conversation's row, once a dead owner's run on it is recovered; no thread read."""
         summary = self._existing(conversation)
         await self._graph_ready()  # the saver's lock, which app-table writes take
-        if await self._write(self.store.recover, summary.id):
+        if await self._write(self._recover, summary.id):
             summary = self._existing(summary.id)
         return summary
 
@@ -330,7 +334,7 @@ class AgentService:
         """The conversation, its messages and whether it can be resumed. Reads only SQLite."""
         summary = self._existing(conversation)
         graph = await self._graph_ready()
-        if await self._write(self.store.recover, summary.id):
+        if await self._write(self._recover, summary.id):
             summary = self._existing(summary.id)
         state = await graph.aget_state(thread_config(summary.id))
         pending = self._pending_input(summary.id, state.metadata)
@@ -458,7 +462,7 @@ class AgentService:
         self._check_idle(conversation_id)
         check_config(self.settings)
         graph = await self._graph_ready()
-        await self._write(self.store.recover, conversation_id)
+        await self._write(self._recover, conversation_id)
         self._check_not_waiting(conversation_id)
         state = await graph.aget_state(thread_config(conversation_id))
         pending = self._pending_input(conversation_id, state.metadata)
@@ -489,7 +493,7 @@ class AgentService:
         asked = None if decisions is None else parse_decisions(decisions)
         gate = None if gate is None else parse_id(gate, "The gate id")
         await self._graph_ready()
-        await self._write(self.store.recover, conversation_id)
+        await self._write(self._recover, conversation_id)
         pending = self.pending_approval(conversation_id)
         target = self._target_gate(conversation_id, pending, gate, asked)
         if asked is None:
@@ -733,6 +737,25 @@ class AgentService:
         )
         self._saver_conn, self._saver, self._graph = conn, saver, build_graph(parts, saver, settings=self.settings)
 
+    def _recover(self, conversation_id: str) -> int:
+        """`store.recover` for the conversation, and this process's own runs there whose outcome
+        could not be written (a full disk; left for a later look if the disk is full still)."""
+        return self._relabel_unrecorded(conversation_id, refuse=False) + self.store.recover(conversation_id)
+
+    def _relabel_unrecorded(self, conversation_id: str, refuse: bool) -> int:
+        stranded = [run_id for run_id, there in self._unrecorded.items() if there == conversation_id]
+        if not stranded:
+            return 0
+        try:
+            count = self.store.relabel(stranded)
+        except SophosError as error:
+            if refuse or error.code != errors.STORAGE_FULL:
+                raise
+            return 0
+        for run_id in stranded:
+            del self._unrecorded[run_id]
+        return count
+
     def _observe(self, write: DurableWrite) -> None:
         if self.on_write is not None:
             try:
@@ -789,6 +812,7 @@ class AgentService:
 
         def start() -> None:
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
+            self._relabel_unrecorded(conversation_id, refuse=True)
             self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision)
             self.active[conversation_id] = run
             self._observe(DurableWrite("run", conversation_id))
@@ -904,6 +928,7 @@ class AgentService:
             # Not on disk, so not `end`: the row stays `running` until this process exits (then
             # the next open relabels it) or its lease runs out.
             log.exception("could not record the outcome of run %s", run.id)
+            self._unrecorded[run.id] = run.conversation
             code = exc.code if isinstance(exc, SophosError) else errors.AGENT_FAILURE  # STORAGE_FULL, say
             status, error = "failed", (code, f"The run's outcome could not be recorded: {exc}")
         gate.flush()

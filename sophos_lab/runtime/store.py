@@ -681,6 +681,15 @@ class Store:
                 forget_gone_owners(conn, self.owner)
             return count
 
+    def relabel(self, run_ids: list[str]) -> int:
+        """Relabel these runs `interrupted` (`cancelled` if a cancel was accepted) if they are
+        still `running`, in one transaction; how many were. For a live process's own runs whose
+        outcome it could not write (`AgentService`); `recover` leaves a live owner's runs alone."""
+        if not run_ids:
+            return 0
+        with self.transaction() as conn:
+            return relabel_interrupted(conn, run_ids)
+
     def renew_lease(self, run_ids: list[str]) -> set[str]:
         """Extend this owner's lease; the ids among `run_ids` it no longer owns (taken over)."""
         conn = self.conn
