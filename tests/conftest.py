@@ -16,6 +16,7 @@ import shutil
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -307,6 +308,22 @@ def statuses(service, conversation) -> list[str]:
 
 def roles(detail) -> list[str]:
     return [message["role"] for message in detail.messages]
+
+
+def transcript(messages: list[dict[str, Any]], web_url: str | None = None) -> list[dict[str, Any]]:
+    """Messages without their generated ids (and with `web_url`, a lab's web address, as `<web>`),
+    to compare runs made apart."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, str) and web_url:
+            return value.replace(web_url, "<web>")
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items() if k not in ("id", "toolCallId")}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return [plain(message) for message in messages]
 
 
 # --- a finished conversation to read ------------------------------------------------------

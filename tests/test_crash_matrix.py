@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import integrity
+from conftest import integrity, transcript
 
 from sophos_lab.lab.children import EXITED, FATAL_EVENTS, FINAL_EVENTS, ChildFailed, LabWorker
 from sophos_lab.runtime.errors import SophosError
@@ -134,21 +134,6 @@ def describe(event: dict[str, Any]) -> str:
         data = event["data"]
         return f"trace {data['event']} {data['node']}@{data['step']}"
     return event["event"]
-
-
-def transcript(messages: list[dict[str, Any]], web_url: str) -> list[dict[str, Any]]:
-    """Messages without their generated ids, with the lane's web address as `<web>`."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, str):
-            return value.replace(web_url, "<web>")
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items() if k not in ("id", "toolCallId")}
-        if isinstance(value, list):
-            return [plain(v) for v in value]
-        return value
-
-    return [plain(message) for message in messages]
 
 
 def answered(messages: list[dict[str, Any]]) -> bool:

@@ -12,23 +12,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import roles
+from conftest import roles, transcript as plain
 
 from sophos_lab.lab import inspect as views
 from sophos_lab.runtime.errors import RUN_NOT_ACTIVE, SophosError
 from sophos_lab.server.wire import conversation_detail
 from sophos_lab.ui.chat_model import ChildBackend
-
-
-def plain(messages: list[dict]) -> list[dict]:
-    """Messages without their generated ids."""
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in ("id", "toolCallId")}
-        if isinstance(value, list):
-            return [strip(v) for v in value]
-        return value
-    return [strip(m) for m in messages]
 
 
 def answered(detail) -> bool:
@@ -95,22 +84,27 @@ async def test_a_cancel_right_after_any_commit_leaves_the_conversation_answered_
     assert ("writes tools (messages, branch:to:agent)", "cancelled", ("tools",)) in outcomes, outcomes
 
 
+async def stopped_at_each_commit(lab, open_service, tmp_path, message: str):
+    """For each commit of the uninterrupted run but its outcome: a fresh service whose run of
+    `message` was cancelled right after that commit, with what it showed then and the fetches."""
+    writes, _, _ = await reference(lab, open_service, tmp_path, message)
+    for k in range(1, len(writes)):
+        async with open_service(DATABASE_PATH=str(tmp_path / f"point-{k}.db")) as agent:
+            run, write = await cancelled_after_commit(agent, message, k)
+            yield k, agent, run, await agent.get_conversation(run.conversation), lab.fetches("index.html")
+
+
 async def test_a_new_message_after_a_stop_between_a_steps_writes_and_its_checkpoint_keeps_that_step(
         lab, open_service, tmp_path):
     """LangGraph drops the latest checkpoint's pending writes when a run starts with input; the
     kit checkpoints them first, so what the stopped run did stays, ahead of the new message."""
     message = f"Fetch {lab.page('index.html')}"
-    writes, _, _ = await reference(lab, open_service, tmp_path, message)
-    for k in range(1, len(writes)):
-        async with open_service(DATABASE_PATH=str(tmp_path / f"point-{k}.db")) as agent:
-            run, write = await cancelled_after_commit(agent, message, k)
-            stopped = await agent.get_conversation(run.conversation)
-            fetches = lab.fetches("index.html")
-            assert (await (await agent.chat("Hello there", run.conversation)).wait()).event == "end"
-            final = await agent.get_conversation(run.conversation)
+    async for k, agent, run, stopped, fetches in stopped_at_each_commit(lab, open_service, tmp_path, message):
+        assert (await (await agent.chat("Hello there", run.conversation)).wait()).event == "end"
+        final = await agent.get_conversation(run.conversation)
 
         kept = [m["id"] for m in stopped.messages]
-        assert [m["id"] for m in final.messages][:len(kept)] == kept, (k, write.describe())
+        assert [m["id"] for m in final.messages][:len(kept)] == kept, k
         assert [m["content"] for m in final.messages if m["role"] == "user"] == [message, "Hello there"], k
         assert roles(final)[-2:] == ["user", "assistant"] and not final.next, k
         assert lab.fetches("index.html") == fetches, k  # nothing of the stopped run was repeated
@@ -122,22 +116,17 @@ async def test_a_new_message_cancelled_before_it_folds_the_stopped_step_keeps_it
     cancel right after that `chat()` stops it before, and the resume (which carries the same
     input) checkpoints it then."""
     message = f"Fetch {lab.page('index.html')}"
-    writes, _, _ = await reference(lab, open_service, tmp_path, message)
-    for k in range(1, len(writes)):
-        async with open_service(DATABASE_PATH=str(tmp_path / f"point-{k}.db")) as agent:
-            run, write = await cancelled_after_commit(agent, message, k)
-            stopped = await agent.get_conversation(run.conversation)
-            fetches = lab.fetches("index.html")
-            follow_up = await agent.chat("Hello there", run.conversation)
-            await agent.cancel(run.conversation)
-            await follow_up.wait()
+    async for k, agent, run, stopped, fetches in stopped_at_each_commit(lab, open_service, tmp_path, message):
+        follow_up = await agent.chat("Hello there", run.conversation)
+        await agent.cancel(run.conversation)
+        await follow_up.wait()
+        detail = await agent.get_conversation(run.conversation)
+        while detail.resumable:
+            assert (await (await agent.resume(run.conversation)).wait()).event == "end"
             detail = await agent.get_conversation(run.conversation)
-            while detail.resumable:
-                assert (await (await agent.resume(run.conversation)).wait()).event == "end"
-                detail = await agent.get_conversation(run.conversation)
 
         kept = [m["id"] for m in stopped.messages]
-        assert [m["id"] for m in detail.messages][:len(kept)] == kept, (k, write.describe())
+        assert [m["id"] for m in detail.messages][:len(kept)] == kept, k
         assert [m["content"] for m in detail.messages if m["role"] == "user"] == [message, "Hello there"], k
         assert lab.fetches("index.html") == fetches, k
 
@@ -165,7 +154,7 @@ async def test_a_cancel_at_any_delay_after_chat_returns_leaves_the_conversation_
     message = f"Fetch {lab.page('index.html')}"
     async with open_service() as agent:
         run = await agent.chat(message)
-        await asyncio.sleep(delay_ms / 1000)
+        await asyncio.sleep(delay_ms / 1000)  # where the cancel lands, spread on purpose: not a wait for anything
         try:
             await agent.cancel(run.conversation)
         except SophosError as late:
