@@ -83,13 +83,6 @@ def wait_event_id(child: LabWorker, event_id: int, timeout: float = BARRIER_TIME
         index += len(new)
 
 
-def wait_stopped(pid: int) -> None:
-    """Block until the child has stopped itself (it may read its line before the SIGSTOP)."""
-    _, status = os.waitpid(pid, os.WUNTRACED)
-    if not os.WIFSTOPPED(status):
-        raise ChildFailed(f"the child ended (wait status {status}) instead of stopping")
-
-
 def descendants(pid: int) -> list[int]:
     """The processes below `pid` (the MCP servers a worker started), from /proc."""
     parents: dict[int, int] = {}
@@ -303,7 +296,7 @@ async def run_point(lane: Lane, child: LabWorker, files: dict[str, str], mode: s
     try:
         child.chat(lane.message)
         await asyncio.to_thread(wait_event_id, child, n)
-        await asyncio.to_thread(wait_stopped, child.pid)
+        await asyncio.to_thread(child.wait_stopped)
         servers = descendants(child.pid)  # stable: a stopped child starts nothing
         conversation = child.events()[0]["data"]["conversation"]
         if mode == "SIGKILL":
@@ -533,7 +526,7 @@ def drive(child: LabWorker, scenario: Scenario, ends: list[int] | None = None) -
         started = next((e for e in child.events() if e["event"] == "started"), None)
         conversation = conversation or (started["data"]["conversation"] if started else None)
         if event["event"] == "write-stop":
-            wait_stopped(child.pid)
+            child.wait_stopped()
             return conversation
         if event["event"] != "end":
             raise ChildFailed(f"{event} in {scenario.name}")
@@ -743,7 +736,7 @@ def killed_in_the_window(lab: Lab, files: dict[str, str], message: str) -> str:
         stop = child.log.wait_until(lambda e: e["event"] in ("write-stop", *FINAL_EVENTS), "write-stop",
                                     BARRIER_TIMEOUT)
         assert stop["event"] == "write-stop" and stop["data"]["write"] == FOLD_WINDOW, stop
-        wait_stopped(child.pid)
+        child.wait_stopped()
         servers = descendants(child.pid)
         conversation = child.conversation()
         child.kill()
@@ -767,7 +760,7 @@ async def run_fold_point(lab: Lab, mode: str, n: int | None, files: dict[str, st
         writes = [e["data"]["write"] for e in child.log.events if e["event"] == "write"]
         point = WritePoint(n or 0, event["data"]["write"] if event["event"] == "write-stop" else "(none)")
         if event["event"] == "write-stop":
-            await asyncio.to_thread(wait_stopped, child.pid)
+            await asyncio.to_thread(child.wait_stopped)
             servers = descendants(child.pid)
             if mode == "SIGKILL":
                 await asyncio.to_thread(child.kill)

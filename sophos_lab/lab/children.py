@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.errors import SophosError
+from .forkserver import ForkedProcess, start_child, wait_stopped
 from .worker import parse_line
 
 EXITED = "process-exited"
@@ -273,21 +274,27 @@ class LabWorker(_Child):
 
     def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path) -> None:
         super().__init__(env, cwd, log_path)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
+        """The process (forked from the fork server unless `SOPHOS_LAB_FORKSERVER=0`)."""
 
     @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
 
+    def wait_stopped(self, timeout: float | None = 60.0) -> None:
+        """Block until the worker has stopped itself (SIGSTOP; once per stop), a barrier for
+        `SOPHOS_LAB_STOP_AFTER_EVENT` and `SOPHOS_LAB_STOP_AFTER_WRITE`."""
+        assert self.proc is not None
+        try:
+            wait_stopped(self.proc, timeout)
+        except ChildProcessError as error:
+            raise ChildFailed(str(error)) from None
+
     def start(self, timeout: float = 60.0) -> LabWorker:
         self.log = EventLog()
         with open(self.log_path, "ab") as stderr:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sophos_lab.lab.worker"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                env=self.env, cwd=self.cwd, start_new_session=True, text=True, bufsize=1,
-            )
+            self.proc = start_child("sophos_lab.lab.worker", [], env=self.env, cwd=self.cwd, stderr=stderr)
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
         self.log.wait_for("ready", timeout=timeout, since=0)
         return self
@@ -557,13 +564,12 @@ class LabServer(LabWorker):
 
     def start(self, timeout: float = 60.0) -> LabServer:
         self.log = EventLog()
+        # Not forked: a server is what a user starts by hand, and lessons 09 and 10 read its
+        # process (its parent, its command line) as `sophos-lab serve`'s own.
         with open(self.log_path, "ab") as stderr:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sophos_lab.cli", "serve", "--host", "127.0.0.1",
-                 "--port", str(self.requested_port), "--lab-child"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                env=self.env, cwd=self.cwd, start_new_session=True, text=True, bufsize=1,
-            )
+            self.proc = start_child(
+                "sophos_lab.cli", ["serve", "--host", "127.0.0.1", "--port", str(self.requested_port), "--lab-child"],
+                env=self.env, cwd=self.cwd, stderr=stderr, fork=False)
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
         self.url = self.log.wait_for("ready", timeout=timeout, since=0)["data"]["url"]
         return self

@@ -1,0 +1,340 @@
+"""Start the lab's worker children by forking a process that has already imported the runtime.
+
+A worker child spends most of its start-up importing LangGraph, LangChain and the MCP
+and Ollama clients (about 1.6 s of CPU here). A lab starts many of them (every restart, every
+kill point), so the first start launches one *fork server*: `python -m sophos_lab.lab.forkserver`
+imports the runtime once and then, for each start, forks. The forked child is a real process of
+its own, like one `subprocess.Popen` starts: its own pid, session, stdin, stdout and stderr,
+environment and working directory; it runs the module as `python -m` would (`runpy`), exits as
+an interpreter does, and dies for real under `kill -9`. It starts in a few milliseconds of CPU.
+
+What differs from a fresh interpreter: the child's parent is the fork server, so the lab learns
+its exit status (and each SIGSTOP) from the server's reports over a socket (`ForkedProcess` has
+the `Popen` methods the lab uses, plus `wait_stopped`); and interpreter options set by
+environment variables (`PYTHON*`) are those the fork server started with, so a child whose
+`PYTHON*` variables differ gets a fork server of its own.
+
+The standard library's `multiprocessing.forkserver` does the same for `multiprocessing.Process`
+objects, with that module's lifecycle (pickled targets, children joined or terminated at exit,
+no stop reports, no session or stdio of their own); the lab needs a process that looks like
+`python -m module`, so this is the small part of it the lab needs.
+
+`SOPHOS_LAB_FORKSERVER=0` in the child's environment starts it with `subprocess.Popen` instead.
+A lab's HTTP server (`lab.server()`) and its kernel children always start as fresh processes:
+lessons 09 and 10 read the server's process as the one a user starts by hand.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+READY_TIMEOUT = 120.0
+MAX_MESSAGE = 1 << 20
+
+
+def start_child(module: str, args: list[str], *, env: Mapping[str, str], cwd: Path, stderr: IO,
+                fork: bool = True) -> Any:
+    """`python -m module *args` with stdin and stdout as text pipes, in a session of its own:
+    forked from the fork server (a `ForkedProcess`), or a `subprocess.Popen` when `fork` is
+    false or the child's environment says `SOPHOS_LAB_FORKSERVER=0`."""
+    if not fork or env.get("SOPHOS_LAB_FORKSERVER", "1") == "0":
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+            env=dict(env), cwd=cwd, start_new_session=True, text=True, bufsize=1,
+        )
+    return _server_for(env).start(module, args, env=env, cwd=cwd, stderr=stderr)
+
+
+def wait_stopped(proc: Any, timeout: float | None = None) -> None:
+    """Block until `proc` has stopped (SIGSTOP), once per stop; `ChildProcessError` if it ended."""
+    if isinstance(proc, ForkedProcess):
+        proc.wait_stopped(timeout)
+        return
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)
+    if not os.WIFSTOPPED(status):
+        raise ChildProcessError(f"process {proc.pid} ended (wait status {status}) instead of stopping")
+
+
+# --- the lab's side -------------------------------------------------------------------------
+
+
+class ForkedProcess:
+    """A child forked by the fork server, with the part of `subprocess.Popen` the lab uses."""
+
+    def __init__(self, server: ForkServer, pid: int, args: list[str], stdin: IO, stdout: IO) -> None:
+        self._server = server
+        self.pid = pid
+        self.args = args
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._server.status(self.pid).returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        status = self._server.status(self.pid)
+        with self._server.changed:
+            if not self._server.changed.wait_for(lambda: status.returncode is not None or self._server.gone, timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        if status.returncode is None:
+            raise ChildProcessError(f"the fork server of process {self.pid} died: its exit status is lost")
+        return status.returncode
+
+    def wait_stopped(self, timeout: float | None = None) -> None:
+        status = self._server.status(self.pid)
+        with self._server.changed:
+            if not self._server.changed.wait_for(
+                    lambda: status.stops > status.stops_seen or status.returncode is not None or self._server.gone,
+                    timeout):
+                raise TimeoutError(f"process {self.pid} did not stop within {timeout} s")
+            if status.stops > status.stops_seen:
+                status.stops_seen += 1
+                return
+        raise ChildProcessError(f"process {self.pid} ended (exit status {status.returncode}) instead of stopping")
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Status:
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+        self.stops = 0
+        self.stops_seen = 0
+
+
+class ForkServer:
+    """One fork server process and the reports it sends: started pids, stops and exits."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self._sock = ours
+        self._starting = threading.Lock()
+        self._replies: queue.Queue[dict] = queue.Queue()
+        self._statuses: dict[int, _Status] = {}
+        self.changed = threading.Condition()
+        self.gone = False
+        threading.Thread(target=self._read, name="forkserver-reports", daemon=True).start()
+        ready = self._reply(READY_TIMEOUT)
+        if "ready" not in ready:
+            raise RuntimeError(f"the fork server did not start: {ready}")
+
+    def start(self, module: str, args: list[str], *, env: Mapping[str, str], cwd: Path, stderr: IO) -> ForkedProcess:
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        request = {"module": module, "args": args, "env": dict(env), "cwd": str(cwd)}
+        try:
+            with self._starting:
+                socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin_r, stdout_w, stderr.fileno()])
+                reply = self._reply(READY_TIMEOUT)
+        except BaseException:
+            os.close(stdin_w)
+            os.close(stdout_r)
+            raise
+        finally:
+            os.close(stdin_r)
+            os.close(stdout_w)
+        if "started" not in reply:
+            os.close(stdin_w)
+            os.close(stdout_r)
+            raise RuntimeError(f"the fork server could not start {module}: {reply}")
+        return ForkedProcess(self, reply["started"], [sys.executable, "-m", module, *args],
+                             stdin=open(stdin_w, "w", buffering=1), stdout=open(stdout_r))
+
+    def status(self, pid: int) -> _Status:
+        with self.changed:
+            return self._statuses.setdefault(pid, _Status())
+
+    def close(self) -> None:
+        """Close the socket: the fork server exits; its children live on until their stdin closes."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the report reader; the server reads the end
+        except OSError:
+            pass
+        self._sock.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def _reply(self, timeout: float) -> dict:
+        try:
+            return self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"the fork server did not answer within {timeout} s") from None
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                with self.changed:
+                    self.gone = True
+                    self.changed.notify_all()
+                self._replies.put({"error": "the fork server exited"})
+                return
+            report = json.loads(data)
+            if "pid" not in report:
+                self._replies.put(report)
+                continue
+            with self.changed:
+                status = self._statuses.setdefault(report["pid"], _Status())
+                if "exited" in report:
+                    status.returncode = report["exited"]
+                elif "stopped" in report:
+                    status.stops += 1
+                self.changed.notify_all()
+
+
+_servers: dict[tuple, ForkServer] = {}
+_servers_lock = threading.Lock()
+
+
+def _server_for(env: Mapping[str, str]) -> ForkServer:
+    """The fork server for children with these `PYTHON*` variables (started on first use)."""
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON")))
+    with _servers_lock:
+        server = _servers.get(key)
+        if server is None or server.gone:
+            server = _servers[key] = ForkServer(env)
+        return server
+
+
+@atexit.register
+def _close_servers() -> None:
+    for server in list(_servers.values()):
+        server.close()
+
+
+# --- the fork server's side -----------------------------------------------------------------
+
+
+def _report(sock: socket.socket, **report: Any) -> None:
+    sock.send(json.dumps(report).encode())
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WSTOPPED | os.WNOHANG)
+        except ChildProcessError:
+            return
+        if info is None:
+            return
+        if info.si_code == os.CLD_EXITED:
+            _report(sock, pid=info.si_pid, exited=info.si_status)
+        elif info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            _report(sock, pid=info.si_pid, exited=-info.si_status)
+        elif info.si_code == os.CLD_STOPPED:
+            _report(sock, pid=info.si_pid, stopped=info.si_status)
+
+
+def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
+    """Fork one child per request until the lab closes the socket. Returns in each child only,
+    with its request and file descriptors (the server itself returns None when told to exit)."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    _report(sock, ready=os.getpid())
+    while True:
+        readable, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in readable:
+            while True:
+                try:
+                    if not os.read(wake_r, 512):
+                        break
+                except BlockingIOError:
+                    break
+            _reap(sock)
+        if sock not in readable:
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 3)
+        except OSError:
+            message, fds = b"", []
+        if not message:
+            return None
+        request = json.loads(message)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (wake_r, wake_w):
+                os.close(fd)
+            sock.close()
+            return request, fds
+        for fd in fds:
+            os.close(fd)
+        _report(sock, started=pid)
+
+
+def become(request: dict, fds: list[int]) -> None:
+    """In the forked child: take the request's session, stdio, environment and directory."""
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.path[0] = os.getcwd()  # as `python -m` sets it: the directory it was started in
+    sys.argv = [sys.argv[0], *request["args"]]
+
+
+def main() -> None:
+    import runpy
+
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    from .worker import load_runtime
+
+    load_runtime()
+    forked = serve(sock)
+    if forked is None:
+        return
+    become(*forked)
+    runpy.run_module(forked[0]["module"], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""A child forked from the fork server is the same process `python -m` starts: its own pid,
+session, environment, directory, argv, stdio and exit status, and it dies under a real SIGKILL.
+
+Each test runs against both ways of starting a child: the fork server, and `subprocess.Popen`
+(`SOPHOS_LAB_FORKSERVER=0`), so the two are shown to behave alike.
+"""
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sophos_lab.lab.children import child_environment
+from sophos_lab.lab.forkserver import ForkedProcess, ForkServer, start_child, wait_stopped
+
+PROBES = Path(__file__).parent / "servers"
+WAYS = {"forked": "1", "popen": "0"}
+
+
+@pytest.fixture(params=list(WAYS))
+def start(request, tmp_path):
+    """Start the probe child (tests/servers/probe_child.py) the way the test is parametrised with."""
+    started = []
+
+    def start_probe(*args: str, **env: str):
+        stderr = open(tmp_path / f"probe-{len(started)}.log", "ab")
+        environment = child_environment({"SOPHOS_LAB_FORKSERVER": WAYS[request.param], **env})
+        proc = start_child("probe_child", list(args), env=environment, cwd=PROBES, stderr=stderr)
+        stderr.close()
+        started.append(proc)
+        proc.log = Path(stderr.name)
+        return proc
+
+    start_probe.way = request.param
+    yield start_probe
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def ask(proc, command: str) -> str:
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+def test_the_child_has_its_own_pid_session_environment_directory_and_argv(start):
+    proc = start("--flag", "value", PROBE_NAME="first")
+
+    report = json.loads(ask(proc, "report"))
+
+    assert isinstance(proc, ForkedProcess) is (start.way == "forked")
+    assert report["pid"] == proc.pid != os.getpid()
+    assert report["sid"] == proc.pid  # a session of its own, as start_new_session=True gives
+    assert report["env"] == {"PROBE_NAME": "first"}
+    assert report["cwd"] == str(PROBES) == report["path0"]
+    assert report["argv"] == ["--flag", "value"]
+    assert report["main"] == "__main__"
+
+
+def test_two_children_do_not_share_an_environment(start):
+    first, second = start(PROBE_NAME="first"), start(PROBE_NAME="second", PROBE_ONLY="here")
+
+    assert json.loads(ask(second, "report"))["env"] == {"PROBE_NAME": "second", "PROBE_ONLY": "here"}
+    assert json.loads(ask(first, "report"))["env"] == {"PROBE_NAME": "first"}
+
+
+@pytest.mark.parametrize(("command", "returncode"), [("exit 3", 3), ("exit 0", 0), ("raise", 1)])
+def test_the_exit_status_is_the_childs(start, command, returncode):
+    proc = start()
+
+    assert ask(proc, command) == ""  # it exited: end of its stdout
+
+    assert proc.wait(30) == returncode == proc.poll()
+    if command == "raise":
+        assert "RuntimeError: the probe was told to raise" in proc.log.read_text()
+
+
+def test_the_end_of_its_stdin_ends_it(start):
+    proc = start()
+    proc.stdin.close()
+
+    assert proc.wait(30) == 0
+
+
+def test_sigkill_kills_it_for_real(start):
+    proc = start()
+    pid = json.loads(ask(proc, "report"))["pid"]
+
+    os.killpg(pid, signal.SIGKILL)
+
+    assert proc.wait(30) == -signal.SIGKILL
+    assert not Path(f"/proc/{pid}").exists()  # reaped, not a zombie
+
+
+def test_a_stop_is_seen_once_and_the_child_goes_on_when_continued(start):
+    proc = start()
+    proc.stdin.write("stop\n")
+    proc.stdin.flush()
+
+    wait_stopped(proc, 30)
+    os.kill(proc.pid, signal.SIGCONT)
+
+    assert proc.stdout.readline().strip() == "continued"
+    proc.stdin.close()
+    assert proc.wait(30) == 0
+
+
+def test_waiting_on_a_child_that_runs_on_times_out(start):
+    proc = start()
+
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.2)
+    assert proc.poll() is None
+
+
+def test_interpreter_variables_of_the_child_hold(start):
+    """`PYTHON*` variables act when the interpreter starts: a child that sets them other than the
+    fork server did gets a fork server started with them."""
+    seeded = [json.loads(ask(start(PYTHONHASHSEED=seed), "report"))["hash"] for seed in ("1", "2", "1")]
+
+    assert seeded[0] == seeded[2] != seeded[1]
+
+
+def test_a_closed_fork_server_exits_at_once_and_its_children_live_on(tmp_path):
+    env = child_environment({})
+    server = ForkServer(env)
+    with open(tmp_path / "probe.log", "ab") as stderr:
+        proc = server.start("probe_child", [], env=env, cwd=PROBES, stderr=stderr)
+
+    server.close()
+
+    assert server.proc.wait(10) == 0
+    assert json.loads(ask(proc, "report"))["pid"] == proc.pid  # still serving
+    proc.stdin.close()
+    with pytest.raises(ChildProcessError, match="exit status is lost"):
+        proc.wait(10)
