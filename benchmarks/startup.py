@@ -1,7 +1,10 @@
 """Start-up and recovery latency of the agent's children (worker subprocess and Jupyter kernel).
 
 - start-up: from starting the child to its `ready` (worker) or to its setup cell done (kernel):
-  the interpreter, the runtime's imports and the model and MCP clients, nothing opened yet.
+  the interpreter, the runtime's imports and the model and MCP clients, nothing opened yet. A
+  worker is timed both ways a lab can start one: in a fresh interpreter (`SOPHOS_LAB_FORKSERVER=0`)
+  and forked from the lab's fork server, which imported all that once (the lab's default; the
+  fork server's own start, with a lab's first forked worker, is not timed).
   Bare: a fresh interpreter that imports the same libraries (LangGraph, its SQLite saver,
   ChatOllama, the MCP adapters), to the line it prints then.
 - kill -> resume: a child is SIGKILLed while the model's answer streams (after the tool result
@@ -163,9 +166,15 @@ def bare_kill_and_resume(lab: Lab) -> dict[str, list[float]]:
 
 
 def start_child(lab: Lab, kind: str):
-    """The child and the seconds it took to be ready."""
+    """The child and the seconds it took to be ready: a worker in a fresh interpreter, a worker
+    forked from the lab's fork server (the default, see sophos_lab/lab/forkserver.py), a kernel."""
     start = time.perf_counter()
-    child = lab.worker() if kind == "worker" else lab.kernel()
+    if kind == "worker":
+        child = lab.worker(SOPHOS_LAB_FORKSERVER="0")
+    elif kind == "forked":
+        child = lab.worker()
+    else:
+        child = lab.kernel()
     return child, time.perf_counter() - start
 
 
@@ -201,18 +210,22 @@ def rows(quick: bool = False) -> list[dict]:
     rounds = 1 if quick else ROUNDS
     figures: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp, lab_in(Path(tmp)) as lab:
+        lab.worker().close()  # the fork server starts with a lab's first forked worker: not timed
         for _ in range(rounds):  # interleaved, so drift on the machine hits every figure alike
-            for kind in ("worker", "bare", "kernel"):
+            for kind in ("worker", "forked", "bare", "kernel"):
                 found = bare_kill_and_resume(lab) if kind == "bare" else kill_and_resume(lab, kind)
                 for name, values in found.items():
                     figures.setdefault(f"{kind} {name}", []).extend(values)
 
     measured = [
-        ("worker child: start -> ready", "worker ready", "worker bare"),
+        ("worker child, fresh interpreter: start -> ready", "worker ready", "worker bare"),
+        ("worker child, forked (the lab's default): start -> ready", "forked ready", "worker bare"),
         ("kernel child: start -> ready (setup cell done)", "kernel ready", None),
         ("worker: SIGKILL -> new child -> recovery -> resume's first event (bare: first item of the resumed stream)",
          "worker started", "bare started"),
         ("worker: SIGKILL -> ... -> resume's first token (MCP start included)", "worker token", "bare token"),
+        ("forked worker: SIGKILL -> new child -> recovery -> resume's first event", "forked started", "bare started"),
+        ("forked worker: SIGKILL -> ... -> resume's first token (MCP start included)", "forked token", "bare token"),
         ("kernel: SIGKILL -> new child -> recovery -> resume's first event", "kernel started", None),
         ("kernel: SIGKILL -> ... -> resume's first token (MCP start included)", "kernel token", None),
     ]
