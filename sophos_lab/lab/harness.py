@@ -26,7 +26,7 @@ import shutil
 import socket
 import subprocess
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -345,11 +345,33 @@ class Lab:
         return self.root / "logs" / f"{kind}-{len(self._children) + 1}.log"
 
 
-def reveal(prediction: Any, actual: Any) -> None:
-    """Compare a learner's prediction with what happened; never fails (None = no prediction)."""
+def reveal(prediction: Any, actual: Any, *, ordered: bool = True) -> None:
+    """Compare a learner's prediction with what happened; never fails (None = no prediction).
+
+    As a person would: a list and a tuple with the same items are the same answer, a word's
+    case and the spaces around it do not count, and with `ordered=False` (a set of files, of
+    processes) neither does the order of a sequence's items."""
     if prediction is None:
         print(f"observed: {actual!r}  (write your prediction first next time!)")
-    elif prediction == actual:
+    elif same_answer(prediction, actual, ordered=ordered):
         print(f"✅ you predicted {prediction!r}, and that is what happened")
     else:
         print(f"❌ you predicted {prediction!r}, but observed {actual!r}")
+
+
+def same_answer(prediction: Any, actual: Any, *, ordered: bool = True) -> bool:
+    """Whether `prediction` says what `actual` is, in `reveal`'s sense."""
+    return _answer(prediction, ordered) == _answer(actual, ordered)
+
+
+def _answer(value: Any, ordered: bool) -> Any:
+    if isinstance(value, str):
+        return value.strip().casefold()
+    if isinstance(value, Mapping):
+        return {_answer(k, ordered): _answer(v, ordered) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_answer(item, ordered) for item in value]
+        return items if ordered else sorted(items, key=repr)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
+        return value.item()  # a numpy scalar read off a DataFrame
+    return value
