@@ -437,6 +437,7 @@ def matrix(lab_home):
     labs = [Lab.setup(f"tests-crash-matrix-{i}", quiet=True) for i in range(LANES)]
     for lab in labs:
         lab.edit_mcp_config(lambda config: config.pop("memory"))  # the reference run fetches only
+        lab.fork_mcp_server("fetch")  # started hundreds of times: forked, it starts in milliseconds
     try:
         lanes = [Lane(lab) for lab in labs]
         reference = asyncio.run(asyncio.wait_for(reference_run(lanes[0]), BARRIER_TIMEOUT))
@@ -705,6 +706,9 @@ def write_labs(lab_home):
             for kind, extra in (("plain", ()), ("ledger", ("ledger",)))}
     for lab in (lab for kind in labs.values() for lab in kind):
         lab.edit_mcp_config(lambda config: config.pop("memory"))  # no scenario uses it: one server less per process
+        lab.fork_mcp_server("fetch")  # started hundreds of times: forked, each starts in milliseconds
+    for lab in labs["ledger"]:
+        lab.fork_mcp_server("ledger")
     try:
         yield labs
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sophos_lab.lab.children import child_environment
-from sophos_lab.lab.forkserver import ForkedProcess, ForkServer, start_child, wait_stopped
+from sophos_lab.lab.forkserver import ForkedProcess, ForkServer, launcher_command, start_child, wait_stopped
 
 PROBES = Path(__file__).parent / "servers"
 WAYS = {"forked": "1", "popen": "0"}
@@ -60,6 +60,7 @@ def test_the_child_has_its_own_pid_session_environment_directory_and_argv(start)
     assert report["cwd"] == str(PROBES) == report["path0"]
     assert report["argv"] == ["--flag", "value"]
     assert report["main"] == "__main__"
+    assert report["stdio"] == [False, False, False, True]  # pipes, as a fresh interpreter sees them
 
 
 def test_two_children_do_not_share_an_environment(start):
@@ -139,3 +140,76 @@ def test_a_closed_fork_server_exits_at_once_and_its_children_live_on(tmp_path):
     proc.stdin.close()
     with pytest.raises(ChildProcessError, match="exit status is lost"):
         proc.wait(10)
+
+
+# --- a launcher: a forked child for a program that starts processes itself (an MCP client) ----
+
+
+def launch(tmp_path, *args: str, **env: str) -> subprocess.Popen:
+    command = launcher_command("probe_child", list(args))
+    with open(tmp_path / "launched.log", "ab") as stderr:
+        return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                env=child_environment(env), cwd=PROBES, text=True, bufsize=1,
+                                start_new_session=True)
+
+
+def test_a_launched_child_is_forked_with_the_launchers_stdio_environment_and_directory(tmp_path):
+    launcher = launch(tmp_path, "--flag", PROBE_NAME="launched")
+
+    report = json.loads(ask(launcher, "report"))
+
+    assert report["pid"] != launcher.pid and report["ppid"] != launcher.pid  # forked by the server
+    assert report["env"] == {"PROBE_NAME": "launched"}
+    assert report["cwd"] == str(PROBES) and report["argv"] == ["--flag"]
+    launcher.stdin.close()  # the child's end of input: it exits, and so does the launcher
+    assert launcher.wait(30) == 0
+    assert launcher.stdout.read() == ""  # and the reader sees the end of the output
+
+
+def test_a_launcher_exits_as_its_child_does_and_passes_sigterm_on(tmp_path):
+    exiting = launch(tmp_path)
+    assert ask(exiting, "exit 5") == ""
+    assert exiting.wait(30) == 5
+
+    terminated = launch(tmp_path)
+    child = json.loads(ask(terminated, "report"))["pid"]
+    terminated.terminate()
+    assert terminated.wait(30) == -signal.SIGTERM
+    assert not Path(f"/proc/{child}").exists()  # the child got it and was reaped
+
+    killed = launch(tmp_path)
+    child = json.loads(ask(killed, "report"))["pid"]
+    os.kill(child, signal.SIGKILL)
+    assert killed.wait(30) == -signal.SIGKILL
+
+
+def test_a_pid_the_system_reuses_is_a_new_child_not_the_old_ones_exit(tmp_path):
+    """The fork server reports by pid, and pids come round again (`pid_max` is often 32768): a
+    child given an exited child's pid must not look exited. The test makes the system reuse one
+    (`ns_last_pid`, root only) and retries if another process takes that pid first."""
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    if os.geteuid() != 0 or not os.access(last_pid, os.W_OK):
+        pytest.skip("choosing the next pid needs root and a writable /proc/sys/kernel/ns_last_pid")
+    env = child_environment({})
+    server = ForkServer(env)
+    try:
+        with open(tmp_path / "probe.log", "ab") as stderr:
+            first = server.start("probe_child", [], env=env, cwd=PROBES, stderr=stderr)
+            first.stdin.close()
+            assert first.wait(30) == 0
+            for _ in range(20):
+                last_pid.write_text(str(first.pid - 1))
+                again = server.start("probe_child", [], env=env, cwd=PROBES, stderr=stderr)
+                if again.pid == first.pid:
+                    break
+                again.stdin.close()
+                again.wait(30)
+            else:
+                pytest.skip("other processes kept taking the pid")
+        assert again.poll() is None  # alive: not the first child's exit
+        assert first.poll() == 0
+        assert json.loads(ask(again, "report"))["pid"] == first.pid
+        again.stdin.close()
+        assert again.wait(30) == 0
+    finally:
+        server.close()

@@ -31,10 +31,12 @@ import json
 import os
 import queue
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -58,6 +60,25 @@ def start_child(module: str, args: list[str], *, env: Mapping[str, str], cwd: Pa
     return _server_for(env).start(module, args, env=env, cwd=cwd, stderr=stderr)
 
 
+LAUNCHER = Path(__file__).with_name("launch_forked.py")
+
+
+def launcher_command(module: str, args: list[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """A command that runs `python -m module *args` forked from this process's fork server (for
+    children with `env`'s `PYTHON*` variables; started now if need be), for programs that start
+    their own processes, such as an MCP client starting a stdio server from `mcp.json`.
+
+    The command is a small launcher (`launch_forked.py`, the standard library only, no site):
+    it hands its stdin, stdout and stderr to the forked child, passes on SIGTERM, SIGINT and
+    SIGHUP, and exits as the child does, so to whoever started it it looks like the program."""
+    if env is None:
+        from .children import child_environment
+
+        env = child_environment({})
+    server = _server_for(env)
+    return [sys.executable, "-S", str(LAUNCHER), server.socket_path, module, *args]
+
+
 def wait_stopped(proc: Any, timeout: float | None = None) -> None:
     """Block until `proc` has stopped (SIGSTOP), once per stop; `ChildProcessError` if it ended."""
     if isinstance(proc, ForkedProcess):
@@ -74,8 +95,9 @@ def wait_stopped(proc: Any, timeout: float | None = None) -> None:
 class ForkedProcess:
     """A child forked by the fork server, with the part of `subprocess.Popen` the lab uses."""
 
-    def __init__(self, server: ForkServer, pid: int, args: list[str], stdin: IO, stdout: IO) -> None:
+    def __init__(self, server: ForkServer, pid: int, status: _Status, args: list[str], stdin: IO, stdout: IO) -> None:
         self._server = server
+        self._status = status
         self.pid = pid
         self.args = args
         self.stdin = stdin
@@ -84,13 +106,13 @@ class ForkedProcess:
 
     @property
     def returncode(self) -> int | None:
-        return self._server.status(self.pid).returncode
+        return self._status.returncode
 
     def poll(self) -> int | None:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        status = self._server.status(self.pid)
+        status = self._status
         with self._server.changed:
             if not self._server.changed.wait_for(lambda: status.returncode is not None or self._server.gone, timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
@@ -99,7 +121,7 @@ class ForkedProcess:
         return status.returncode
 
     def wait_stopped(self, timeout: float | None = None) -> None:
-        status = self._server.status(self.pid)
+        status = self._status
         with self._server.changed:
             if not self._server.changed.wait_for(
                     lambda: status.stops > status.stops_seen or status.returncode is not None or self._server.gone,
@@ -136,9 +158,13 @@ class ForkServer:
 
     def __init__(self, env: Mapping[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._folder = tempfile.mkdtemp(prefix="sophos-fork-")
+        self.socket_path = os.path.join(self._folder, "launch")
+        """Where launchers connect (`launcher_command`); only this user can reach the folder."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(theirs.fileno())],
+            [sys.executable, "-m", __name__, str(theirs.fileno()), self.socket_path],
             pass_fds=[theirs.fileno()], env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C at the lab's terminal is not for it
         )
         theirs.close()
         self._sock = ours
@@ -171,12 +197,10 @@ class ForkServer:
             os.close(stdin_w)
             os.close(stdout_r)
             raise RuntimeError(f"the fork server could not start {module}: {reply}")
-        return ForkedProcess(self, reply["started"], [sys.executable, "-m", module, *args],
-                             stdin=open(stdin_w, "w", buffering=1), stdout=open(stdout_r))
-
-    def status(self, pid: int) -> _Status:
         with self.changed:
-            return self._statuses.setdefault(pid, _Status())
+            status = self._statuses[reply["started"]]
+        return ForkedProcess(self, reply["started"], status, [sys.executable, "-m", module, *args],
+                             stdin=open(stdin_w, "w", buffering=1), stdout=open(stdout_r))
 
     def close(self) -> None:
         """Close the socket: the fork server exits; its children live on until their stdin closes."""
@@ -189,6 +213,7 @@ class ForkServer:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        shutil.rmtree(self._folder, ignore_errors=True)
 
     def _reply(self, timeout: float) -> dict:
         try:
@@ -210,10 +235,15 @@ class ForkServer:
                 return
             report = json.loads(data)
             if "pid" not in report:
+                if "started" in report:  # before any report of that child: a pid the system
+                    with self.changed:  # reuses gets a new status, not an old child's exit
+                        self._statuses[report["started"]] = _Status()
                 self._replies.put(report)
                 continue
             with self.changed:
-                status = self._statuses.setdefault(report["pid"], _Status())
+                status = self._statuses.get(report["pid"])
+                if status is None:
+                    continue
                 if "exited" in report:
                     status.returncode = report["exited"]
                 elif "stopped" in report:
@@ -245,10 +275,14 @@ def _close_servers() -> None:
 
 
 def _report(sock: socket.socket, **report: Any) -> None:
-    sock.send(json.dumps(report).encode())
+    try:
+        sock.send(json.dumps(report).encode())
+    except OSError:
+        pass  # a launcher that went away: its child lives on, reported to nobody
 
 
-def _reap(sock: socket.socket) -> None:
+def _reap(owners: dict[int, socket.socket]) -> None:
+    """Report each child's stop or exit to whoever asked for it (the lab, or a launcher)."""
     while True:
         try:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WSTOPPED | os.WNOHANG)
@@ -256,25 +290,48 @@ def _reap(sock: socket.socket) -> None:
             return
         if info is None:
             return
-        if info.si_code == os.CLD_EXITED:
-            _report(sock, pid=info.si_pid, exited=info.si_status)
-        elif info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
-            _report(sock, pid=info.si_pid, exited=-info.si_status)
-        elif info.si_code == os.CLD_STOPPED:
-            _report(sock, pid=info.si_pid, stopped=info.si_status)
+        owner = owners.get(info.si_pid)
+        if info.si_code == os.CLD_STOPPED:
+            if owner is not None:
+                _report(owner, pid=info.si_pid, stopped=info.si_status)
+            continue
+        owners.pop(info.si_pid, None)
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        if owner is not None:
+            _report(owner, pid=info.si_pid, exited=code)
 
 
-def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
-    """Fork one child per request until the lab closes the socket. Returns in each child only,
-    with its request and file descriptors (the server itself returns None when told to exit)."""
+def _preload(module: str) -> None:
+    """Import a package that a request names (`python -m package` runs its `__main__`) here,
+    once, so that its children start with it imported; a plain module is left alone (importing
+    it would run it)."""
+    import importlib
+    import importlib.util
+
+    if module in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:
+            importlib.import_module(module)
+    except Exception:  # the child imports it again and fails where its log shows it
+        pass
+
+
+def serve(sock: socket.socket, listener: socket.socket) -> tuple[dict, list[int]] | None:
+    """Fork one child per request until the lab closes the socket. Requests come from the lab
+    (`sock`) and from launchers that connect to `listener` (`launcher_command`). Returns in each
+    child only, with its request and file descriptors (the server returns None when told to exit)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
+    launchers: set[socket.socket] = set()
+    owners: dict[int, socket.socket] = {}
     _report(sock, ready=os.getpid())
     while True:
-        readable, _, _ = select.select([sock, wake_r], [], [])
+        readable, _, _ = select.select([sock, listener, wake_r, *launchers], [], [])
         if wake_r in readable:
             while True:
                 try:
@@ -282,29 +339,40 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
                         break
                 except BlockingIOError:
                     break
-            _reap(sock)
-        if sock not in readable:
-            continue
-        try:
-            message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 3)
-        except OSError:
-            message, fds = b"", []
-        if not message:
-            return None
-        request = json.loads(message)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for fd in (wake_r, wake_w):
+            _reap(owners)
+        if listener in readable:
+            try:
+                launchers.add(listener.accept()[0])
+            except OSError:
+                pass
+        for asker in [r for r in readable if r is sock or r in launchers]:
+            try:
+                message, fds, _, _ = socket.recv_fds(asker, MAX_MESSAGE, 3)
+            except OSError:
+                message, fds = b"", []
+            if not message:
+                if asker is sock:
+                    return None
+                launchers.discard(asker)
+                asker.close()
+                continue
+            request = json.loads(message)
+            _preload(request["module"])
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (wake_r, wake_w):
+                    os.close(fd)
+                for open_socket in (sock, listener, *launchers):
+                    open_socket.close()
+                return request, fds
+            for fd in fds:
                 os.close(fd)
-            sock.close()
-            return request, fds
-        for fd in fds:
-            os.close(fd)
-        _report(sock, started=pid)
+            owners[pid] = asker
+            _report(asker, started=pid)
 
 
 def become(request: dict, fds: list[int]) -> None:
@@ -315,6 +383,17 @@ def become(request: dict, fds: list[int]) -> None:
     for fd in fds:
         if fd > 2:
             os.close(fd)
+    # New stdio objects on the new descriptors, as an interpreter makes them at start (the fork
+    # server's were made for /dev/null, which can seek: a pipe cannot).
+    encoding, errors = sys.stdout.encoding, sys.stdout.errors
+    sys.stdin = sys.__stdin__ = open(0, "r", encoding=encoding, errors=errors, closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", encoding=encoding, errors=errors, closefd=False,
+                                       newline=None)
+    if os.isatty(1):
+        sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr = sys.__stderr__ = open(2, "w", encoding=encoding, errors="backslashreplace",
+                                       closefd=False, newline=None)
+    sys.stderr.reconfigure(line_buffering=os.isatty(2), write_through=True)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -324,15 +403,22 @@ def become(request: dict, fds: list[int]) -> None:
 
 def main() -> None:
     import runpy
+    import warnings
 
     sock = socket.socket(fileno=int(sys.argv[1]))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(sys.argv[2])
+    listener.listen(64)
     from .worker import load_runtime
 
     load_runtime()
-    forked = serve(sock)
+    forked = serve(sock, listener)
     if forked is None:
         return
     become(*forked)
+    # `python -m` of a module the fork server imported makes runpy warn that it runs a second
+    # copy, which is what `python -m` does anyway (the fresh interpreter's copy is __main__ too).
+    warnings.filterwarnings("ignore", message=r".* found in sys\.modules after import of package", category=RuntimeWarning)
     runpy.run_module(forked[0]["module"], run_name="__main__", alter_sys=True)
 
 

@@ -221,6 +221,26 @@ class Lab:
         if name not in self.extra_servers:
             self.extra_servers.append(name)
 
+    def fork_mcp_server(self, name: str) -> None:
+        """Start the stdio server `name` (a `python -m module` entry of this lab's `mcp.json`)
+        forked from this process's fork server, as worker children are
+        (`sophos_lab/lab/forkserver.py`): the same module, with the kit's interpreter and the
+        entry's arguments and environment, started in milliseconds instead of about a second of
+        imports. The entry's command becomes the fork server's launcher, which stands for the
+        server to the MCP client that starts it (its stdio, its signals, its exit). Valid while
+        this process runs; `restore_mcp_config()` undoes it."""
+        from .forkserver import launcher_command
+
+        def change(config: dict) -> None:
+            entry = config.get(name)
+            args = list(entry.get("args", [])) if isinstance(entry, dict) else []
+            if len(args) < 2 or args[0] != "-m":
+                raise ValueError(f"mcp.json has no `python -m module` server {name!r} to fork: {entry!r}")
+            command = launcher_command(args[1], args[2:])
+            entry["command"], entry["args"] = command[0], command[1:]
+
+        self.edit_mcp_config(change)
+
     def without_approvals(self) -> None:
         """Let this lab's tools run without a person's approval: drop every server's `approval`
         (lesson 07 shows what a side effect does across a crash when nothing stops it first)."""

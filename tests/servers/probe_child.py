@@ -17,6 +17,7 @@ for line in sys.stdin:
             "pid": os.getpid(), "sid": os.getsid(0), "ppid": os.getppid(), "cwd": os.getcwd(),
             "argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k.startswith("PROBE_")},
             "hash": hash("x"), "main": __name__, "path0": sys.path[0],
+            "stdio": [sys.stdin.seekable(), sys.stdout.seekable(), sys.stderr.line_buffering, sys.stderr.write_through],
         }), flush=True)
     elif command == "exit":
         sys.exit(int(argument))
