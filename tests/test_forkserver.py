@@ -7,7 +7,9 @@ Each test runs against both ways of starting a child: the fork server, and `subp
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -40,6 +42,14 @@ def start(request, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def process_state(pid: int) -> str:
+    """The state letter in /proc/<pid>/stat (R, S, T, Z ...), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):  # gone before or while it was read
+        return "gone"
 
 
 def ask(proc, command: str) -> str:
@@ -95,7 +105,7 @@ def test_sigkill_kills_it_for_real(start):
     os.killpg(pid, signal.SIGKILL)
 
     assert proc.wait(30) == -signal.SIGKILL
-    assert not Path(f"/proc/{pid}").exists()  # reaped, not a zombie
+    assert process_state(pid) in ("gone", "Z")  # dead (a zombie at most, until its status is read)
 
 
 def test_a_stop_is_seen_once_and_the_child_goes_on_when_continued(start):
@@ -175,7 +185,7 @@ def test_a_launcher_exits_as_its_child_does_and_passes_sigterm_on(tmp_path):
     child = json.loads(ask(terminated, "report"))["pid"]
     terminated.terminate()
     assert terminated.wait(30) == -signal.SIGTERM
-    assert not Path(f"/proc/{child}").exists()  # the child got it and was reaped
+    assert process_state(child) in ("gone", "Z")  # the child got it
 
     killed = launch(tmp_path)
     child = json.loads(ask(killed, "report"))["pid"]
@@ -213,3 +223,39 @@ def test_a_pid_the_system_reuses_is_a_new_child_not_the_old_ones_exit(tmp_path):
         assert again.wait(30) == 0
     finally:
         server.close()
+
+
+def test_waiting_for_a_stop_of_a_child_that_exits_instead_keeps_its_exit_status(start):
+    proc = start()
+    assert ask(proc, "exit 3") == ""
+
+    with pytest.raises(ChildProcessError, match="instead of stopping"):
+        wait_stopped(proc, 30)
+    assert proc.wait(30) == 3
+
+
+def test_a_killed_launcher_takes_its_child_with_it(tmp_path):
+    launcher = launch(tmp_path)
+    child = json.loads(ask(launcher, "report"))["pid"]
+    fd = os.pidfd_open(child)
+    try:
+        launcher.kill()  # SIGKILL: nothing to pass on; the fork server sees the connection end
+        assert launcher.wait(30) == -signal.SIGKILL
+        ready, _, _ = select.select([fd], [], [], 30)
+        assert ready, "the launched child outlived its launcher"
+    finally:
+        os.close(fd)
+
+
+def test_a_bad_request_is_refused_and_the_fork_server_goes_on(tmp_path):
+    command = launcher_command("probe_child", [])
+    asker = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    asker.connect(command[3])  # the fork server's socket, as a launcher connects to it
+    asker.send(b'{"module": "probe_child"}')  # no file descriptors
+
+    assert "3 file descriptors" in json.loads(asker.recv(65536))["error"]
+    asker.close()
+    launcher = launch(tmp_path)
+    assert json.loads(ask(launcher, "report"))["pid"] != launcher.pid
+    launcher.stdin.close()
+    assert launcher.wait(30) == 0

@@ -335,7 +335,11 @@ class LabWorker(_Child):
             event = parse_line(line)
             if event is not None:
                 self.log.append(event)
-        self.log.append_once({"event": EXITED, "data": {"returncode": proc.wait()}})
+        try:
+            returncode = proc.wait()
+        except ChildProcessError:  # its fork server died: the status is lost, the end is not
+            returncode = None
+        self.log.append_once({"event": EXITED, "data": {"returncode": returncode}})
 
 
 KERNEL_NAME = "sophos-lab-child"

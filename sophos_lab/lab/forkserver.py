@@ -80,13 +80,15 @@ def launcher_command(module: str, args: list[str], env: Mapping[str, str] | None
 
 
 def wait_stopped(proc: Any, timeout: float | None = None) -> None:
-    """Block until `proc` has stopped (SIGSTOP), once per stop; `ChildProcessError` if it ended."""
+    """Block until `proc` has stopped (SIGSTOP), once per stop; `ChildProcessError` if it ended
+    (a `Popen` child is left unreaped then, so its `wait()` still gets its status)."""
     if isinstance(proc, ForkedProcess):
         proc.wait_stopped(timeout)
         return
-    _, status = os.waitpid(proc.pid, os.WUNTRACED)
-    if not os.WIFSTOPPED(status):
-        raise ChildProcessError(f"process {proc.pid} ended (wait status {status}) instead of stopping")
+    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WSTOPPED | os.WNOWAIT)
+    if info.si_code != os.CLD_STOPPED:
+        raise ChildProcessError(f"process {proc.pid} ended (status {info.si_status}) instead of stopping")
+    os.waitid(os.P_PID, proc.pid, os.WSTOPPED)  # take the stop, so the next one is seen
 
 
 # --- the lab's side -------------------------------------------------------------------------
@@ -215,6 +217,12 @@ class ForkServer:
             self.proc.kill()
         shutil.rmtree(self._folder, ignore_errors=True)
 
+    def _send(self, message: dict) -> None:
+        try:
+            self._sock.send(json.dumps(message).encode())
+        except OSError:
+            pass  # closed: the server is going, and reaps as it goes
+
     def _reply(self, timeout: float) -> dict:
         try:
             return self._replies.get(timeout=timeout)
@@ -246,6 +254,7 @@ class ForkServer:
                     continue
                 if "exited" in report:
                     status.returncode = report["exited"]
+                    self._send({"reap": report["pid"]})  # the status is read: the pid may go
                 elif "stopped" in report:
                     status.stops += 1
                 self.changed.notify_all()
@@ -281,24 +290,59 @@ def _report(sock: socket.socket, **report: Any) -> None:
         pass  # a launcher that went away: its child lives on, reported to nobody
 
 
-def _reap(owners: dict[int, socket.socket]) -> None:
-    """Report each child's stop or exit to whoever asked for it (the lab, or a launcher)."""
-    while True:
-        try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WSTOPPED | os.WNOHANG)
-        except ChildProcessError:
-            return
-        if info is None:
-            return
-        owner = owners.get(info.si_pid)
-        if info.si_code == os.CLD_STOPPED:
-            if owner is not None:
-                _report(owner, pid=info.si_pid, stopped=info.si_status)
-            continue
-        owners.pop(info.si_pid, None)
-        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-        if owner is not None:
-            _report(owner, pid=info.si_pid, exited=code)
+class _Children:
+    """The fork server's children: who asked for each, and which have exited but are not yet
+    reaped. An exited child stays a zombie until its asker has read its status and says so
+    (`reap`), as a `subprocess.Popen` child stays one until `wait()`: until then its pid cannot
+    be given to another process, so a signal the lab sends to it cannot reach a stranger."""
+
+    def __init__(self) -> None:
+        self.owners: dict[int, socket.socket | None] = {}
+        self.exited: set[int] = set()
+
+    def look(self) -> None:
+        """Report each child's stop, and each exit once, to whoever asked for the child."""
+        for pid, owner in list(self.owners.items()):
+            if pid in self.exited:
+                continue
+            try:  # a zombie is no candidate for WSTOPPED alone: ECHILD
+                stopped = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG)
+            except ChildProcessError:
+                stopped = None
+            if stopped is not None and owner is not None:
+                _report(owner, pid=pid, stopped=stopped.si_status)
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # not ours any more (cannot happen: we alone reap)
+                self.owners.pop(pid, None)
+                continue
+            if info is None:
+                continue
+            self.exited.add(pid)
+            if owner is None:
+                self.reap(pid)
+            else:
+                code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                _report(owner, pid=pid, exited=code)
+
+    def reap(self, pid: int) -> None:
+        if pid in self.exited:
+            os.waitpid(pid, 0)
+            self.exited.discard(pid)
+            self.owners.pop(pid, None)
+
+    def forget(self, owner: socket.socket) -> None:
+        """A launcher went away (killed, say): its child goes too, as the program it stood for."""
+        for pid, asker in list(self.owners.items()):
+            if asker is owner:
+                self.owners[pid] = None
+                if pid in self.exited:
+                    self.reap(pid)
+                else:
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
 
 
 def _preload(module: str) -> None:
@@ -328,7 +372,7 @@ def serve(sock: socket.socket, listener: socket.socket) -> tuple[dict, list[int]
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     launchers: set[socket.socket] = set()
-    owners: dict[int, socket.socket] = {}
+    children = _Children()
     _report(sock, ready=os.getpid())
     while True:
         readable, _, _ = select.select([sock, listener, wake_r, *launchers], [], [])
@@ -339,7 +383,6 @@ def serve(sock: socket.socket, listener: socket.socket) -> tuple[dict, list[int]
                         break
                 except BlockingIOError:
                     break
-            _reap(owners)
         if listener in readable:
             try:
                 launchers.add(listener.accept()[0])
@@ -354,10 +397,22 @@ def serve(sock: socket.socket, listener: socket.socket) -> tuple[dict, list[int]
                 if asker is sock:
                     return None
                 launchers.discard(asker)
+                children.forget(asker)
                 asker.close()
                 continue
-            request = json.loads(message)
-            _preload(request["module"])
+            try:
+                request = json.loads(message)
+                if "reap" in request:
+                    children.reap(int(request["reap"]))
+                    continue
+                if len(fds) != 3 or not isinstance(request.get("module"), str):
+                    raise ValueError(f"a request needs a module and 3 file descriptors, got {len(fds)}")
+                _preload(request["module"])
+            except Exception as error:  # a bad request is refused; the server goes on
+                for fd in fds:
+                    os.close(fd)
+                _report(asker, error=f"{type(error).__name__}: {error}")
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -371,8 +426,9 @@ def serve(sock: socket.socket, listener: socket.socket) -> tuple[dict, list[int]
                 return request, fds
             for fd in fds:
                 os.close(fd)
-            owners[pid] = asker
+            children.owners[pid] = asker
             _report(asker, started=pid)
+        children.look()  # after every wake-up: a child's SIGCHLD may have come while forking
 
 
 def become(request: dict, fds: list[int]) -> None:
@@ -386,18 +442,17 @@ def become(request: dict, fds: list[int]) -> None:
     # New stdio objects on the new descriptors, as an interpreter makes them at start (the fork
     # server's were made for /dev/null, which can seek: a pipe cannot).
     encoding, errors = sys.stdout.encoding, sys.stdout.errors
-    sys.stdin = sys.__stdin__ = open(0, "r", encoding=encoding, errors=errors, closefd=False)
-    sys.stdout = sys.__stdout__ = open(1, "w", encoding=encoding, errors=errors, closefd=False,
-                                       newline=None)
-    if os.isatty(1):
-        sys.stdout.reconfigure(line_buffering=True)
+    sys.stdin = sys.__stdin__ = open(0, "r", encoding=encoding, errors=errors, closefd=False, newline="\n")
+    sys.stdout = sys.__stdout__ = open(1, "w", encoding=encoding, errors=errors, closefd=False, newline="\n")
+    sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=bool(os.environ.get("PYTHONUNBUFFERED")))
     sys.stderr = sys.__stderr__ = open(2, "w", encoding=encoding, errors="backslashreplace",
-                                       closefd=False, newline=None)
+                                       closefd=False, newline="\n")
     sys.stderr.reconfigure(line_buffering=os.isatty(2), write_through=True)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    sys.path[0] = os.getcwd()  # as `python -m` sets it: the directory it was started in
+    if not sys.flags.safe_path:
+        sys.path[0] = os.getcwd()  # as `python -m` sets it: the directory it was started in
     sys.argv = [sys.argv[0], *request["args"]]
 
 
