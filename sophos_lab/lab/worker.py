@@ -215,27 +215,40 @@ class ChildRuntime:
         return final
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # A Python signal handler may run inside the main thread's own write to stdout (a write
+        # interrupted by the signal runs the handlers before it returns): writing an event here
+        # would be a reentrant call on that buffered stream, raised into the write it
+        # interrupted. So the handler only sets flags (the drain's, at this very point) and
+        # hands the rest to the loop, as for SIGUSR1; with nothing followed there is no such
+        # write, and the child exits at once.
         self.shutdown_requested = True
-        naive = self.service.settings.naive_shutdown
-        self.emit({"event": "shutdown-requested", "data": {
-            "naive": naive, "active_runs": [run.id for run in self.service.active.values()],
-        }})
-        # Exit at once only when no command is being followed: otherwise the last one to finish
-        # exits, after its final event is out (see _follow).
         if self._following == 0 or self._loop is None:
+            self._announce_shutdown()
             self.service.store.close()
             self.emit({"event": "exited", "data": {"reason": "sigterm"}})
             os._exit(0)
+        if not self.service.settings.naive_shutdown:
+            self.service.request_drain("sigterm")
+        self._loop.call_soon_threadsafe(self._shut_down)
+
+    def _announce_shutdown(self) -> None:
+        self.emit({"event": "shutdown-requested", "data": {
+            "naive": self.service.settings.naive_shutdown,
+            "active_runs": [run.id for run in self.service.active.values()],
+        }})
+
+    def _shut_down(self) -> None:
+        """On the loop, after SIGTERM: drain (or, naive, close everything at once)."""
+        self._announce_shutdown()
+        naive = self.service.settings.naive_shutdown
         if naive:
             async def close_now() -> None:
                 await self.service.aclose()
                 self.emit({"event": "connections-closed", "data": {}})
 
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(close_now()))
+            asyncio.ensure_future(close_now())
         else:
-            self.service.request_drain("sigterm")
-            timeout = self.service.settings.shutdown_timeout
-            self._loop.call_soon_threadsafe(lambda: self._loop.call_later(timeout, self._cancel_active))
+            self._loop.call_later(self.service.settings.shutdown_timeout, self._cancel_active)
 
     def _on_request_signal(self, signum: int, frame: Any) -> None:
         # A Python signal handler runs on the main thread between two bytecodes, possibly in
