@@ -8,9 +8,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PORT ?= 8888
-# The tests spend most of their time waiting on child processes (kernels, workers, servers): run
-# serially, they keep about 0.6 of a core busy, so they run in more pytest-xdist workers than there
-# are cores. `--dist loadgroup`: the cells of one notebook, and the tests that share a module-scoped
+# The tests spend much of their time waiting on child processes (kernels, workers, servers), so
+# they run in more pytest-xdist workers than there are cores (four keep both of two cores busy). `--dist loadgroup`: the cells of one notebook, and the tests that share a module-scoped
 # fixture (a server), stay in one worker; tests/conftest.py sets the groups and hands out the
 # longest first. Each worker has its own labs, ports and temporary folders.
 # `make test PYTEST_WORKERS=0` runs serially.
