@@ -217,12 +217,6 @@ class ForkServer:
             self.proc.kill()
         shutil.rmtree(self._folder, ignore_errors=True)
 
-    def _send(self, message: dict) -> None:
-        try:
-            self._sock.send(json.dumps(message).encode())
-        except OSError:
-            pass  # closed: the server is going, and reaps as it goes
-
     def _reply(self, timeout: float) -> dict:
         try:
             return self._replies.get(timeout=timeout)
@@ -254,7 +248,7 @@ class ForkServer:
                     continue
                 if "exited" in report:
                     status.returncode = report["exited"]
-                    self._send({"reap": report["pid"]})  # the status is read: the pid may go
+                    _report(self._sock, reap=report["pid"])  # the status is read: the pid may go
                 elif "stopped" in report:
                     status.stops += 1
                 self.changed.notify_all()
@@ -284,10 +278,12 @@ def _close_servers() -> None:
 
 
 def _report(sock: socket.socket, **report: Any) -> None:
+    """One message, either way (the lab's `reap`, the server's reports); a closed peer is let be:
+    a launcher that went away, or a lab whose server is going and reaps as it goes."""
     try:
         sock.send(json.dumps(report).encode())
     except OSError:
-        pass  # a launcher that went away: its child lives on, reported to nobody
+        pass
 
 
 class _Children:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from . import inspect as views
@@ -392,6 +393,6 @@ def _answer(value: Any, ordered: bool) -> Any:
     if isinstance(value, (list, tuple)):
         items = [_answer(item, ordered) for item in value]
         return items if ordered else sorted(items, key=repr)
-    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
+    if isinstance(value, np.generic):
         return value.item()  # a numpy scalar read off a DataFrame
     return value
