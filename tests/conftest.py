@@ -218,7 +218,7 @@ def lab(lab_home):
     Its request log and access log grow across tests: count what a test did as a difference,
     or use a lab of your own (see test_crash.py).
     """
-    with Lab.setup("tests", quiet=True) as lab:
+    with Lab.setup("tests", quiet=True, fork_servers=True) as lab:
         yield lab
 
 

@@ -26,7 +26,7 @@ COMMITTED = "/ledger-committed"
 
 @pytest.fixture
 def ledger_lab(request, lab_home):
-    with Lab.setup(f"tests-approval-{request.node.name}", quiet=True, extra_servers=("ledger",)) as lab:
+    with Lab.setup(f"tests-approval-{request.node.name}", quiet=True, fork_servers=True, extra_servers=("ledger",)) as lab:
         yield lab
 
 

@@ -12,7 +12,7 @@ from sophos_lab.runtime.errors import CANCELLED, NOT_FOUND, RUN_NOT_ACTIVE
 
 @pytest.fixture(scope="module")
 def lab(lab_home):
-    with Lab.setup("tests-children", quiet=True) as lab:
+    with Lab.setup("tests-children", quiet=True, fork_servers=True) as lab:
         yield lab
 
 

@@ -434,10 +434,10 @@ async def run_matrix(lanes: list[Lane], mode: str, reference: Reference) -> list
 
 @pytest.fixture(scope="module")
 def matrix(lab_home):
-    labs = [Lab.setup(f"tests-crash-matrix-{i}", quiet=True) for i in range(LANES)]
+    # fork_servers: fetch is started hundreds of times; forked, it starts in milliseconds
+    labs = [Lab.setup(f"tests-crash-matrix-{i}", quiet=True, fork_servers=True) for i in range(LANES)]
     for lab in labs:
         lab.edit_mcp_config(lambda config: config.pop("memory"))  # the reference run fetches only
-        lab.fork_mcp_server("fetch")  # started hundreds of times: forked, it starts in milliseconds
     try:
         lanes = [Lane(lab) for lab in labs]
         reference = asyncio.run(asyncio.wait_for(reference_run(lanes[0]), BARRIER_TIMEOUT))
@@ -702,13 +702,12 @@ def write_table(which: str, mode: str, points: list[WritePoint]) -> str:
 @pytest.fixture(scope="module")
 def write_labs(lab_home):
     """Per kind (plain, with the ledger), a lab per lane."""
-    labs = {kind: [Lab.setup(f"tests-crash-writes-{kind}-{i}", quiet=True, extra_servers=extra) for i in range(LANES)]
+    # fork_servers: fetch and the ledger are started hundreds of times; forked, each starts in milliseconds
+    labs = {kind: [Lab.setup(f"tests-crash-writes-{kind}-{i}", quiet=True, fork_servers=True, extra_servers=extra)
+                   for i in range(LANES)]
             for kind, extra in (("plain", ()), ("ledger", ("ledger",)))}
     for lab in (lab for kind in labs.values() for lab in kind):
         lab.edit_mcp_config(lambda config: config.pop("memory"))  # no scenario uses it: one server less per process
-        lab.fork_mcp_server("fetch")  # started hundreds of times: forked, each starts in milliseconds
-    for lab in labs["ledger"]:
-        lab.fork_mcp_server("ledger")
     try:
         yield labs
     finally:

@@ -259,3 +259,38 @@ def test_a_bad_request_is_refused_and_the_fork_server_goes_on(tmp_path):
     assert json.loads(ask(launcher, "report"))["pid"] != launcher.pid
     launcher.stdin.close()
     assert launcher.wait(30) == 0
+
+
+def test_a_lab_with_fork_servers_runs_its_python_stdio_servers_forked(lab, lab_home):
+    """`Lab.setup(fork_servers=True)` (the tests' labs): the worker's `fetch` is the launcher, the
+    server it stands for fetches the page, and the config stays forked through `add_mcp_server`
+    and `restore_mcp_config`. A lab without it starts the server the config names."""
+    import psutil
+
+    from sophos_lab import Lab
+
+    def fetch_children(any_lab) -> list[list[str]]:
+        worker = any_lab.worker()
+        try:
+            worker.chat(f"Fetch {any_lab.page('index.html')} and summarize it in one sentence.")
+            assert worker.wait_final()["data"]["status"] == "completed"
+            return [p.cmdline() for p in psutil.Process(worker.pid).children()
+                    if "mcp_server_fetch" in p.cmdline()]
+        finally:
+            worker.close()
+
+    fetched = lab.fetches("index.html")
+    (forked,) = fetch_children(lab)
+    assert Path(forked[2]).name == "launch_forked.py" and forked[4:] == ["mcp_server_fetch", "--allow-private-ips"], forked
+    assert lab.fetches("index.html") == fetched + 1
+    lab.add_mcp_server("ledger")
+    lab.restore_mcp_config()
+    config = json.loads((lab.config_dir / "mcp.json").read_text())
+    assert {name: Path(entry["args"][1]).name for name, entry in config.items() if name != "memory"} == {
+        "fetch": "launch_forked.py", "ledger": "launch_forked.py"}, config
+    lab.extra_servers.remove("ledger")
+    lab.restore_mcp_config()
+
+    with Lab.setup("tests-fork-servers-off", quiet=True) as plain:
+        (fresh,) = fetch_children(plain)
+    assert fresh[1:] == ["-m", "mcp_server_fetch", "--allow-private-ips"], fresh

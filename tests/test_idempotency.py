@@ -22,7 +22,7 @@ COMMITTED = "/ledger-committed"
 
 @pytest.fixture
 def lab(request, lab_home):
-    with Lab.setup(f"tests-idempotency-{request.node.name}", quiet=True, extra_servers=("ledger",)) as lab:
+    with Lab.setup(f"tests-idempotency-{request.node.name}", quiet=True, fork_servers=True, extra_servers=("ledger",)) as lab:
         lab.without_approvals()  # a crash mid-payment with no gate before it (the gate: test_approval)
         yield lab
 

@@ -31,7 +31,7 @@ TIMING = {"created_at", "total_duration", "load_duration", "prompt_eval_duration
 @pytest.fixture
 def lab(request, lab_home, ollama_like):
     with Lab.setup(f"tests-proxy-{request.node.name}", ollama_host=ollama_like, ollama_model=MODEL,
-                   quiet=True) as lab:
+                   quiet=True, fork_servers=True) as lab:
         yield lab
 
 
@@ -90,7 +90,7 @@ def untimed(lines: list[dict]) -> list[dict]:
 
 
 def test_a_lab_on_a_real_model_runs_a_proxy_and_stops_it_on_close(lab_home, ollama_like):
-    lab = Lab.setup("tests-proxy-lifecycle", ollama_host=ollama_like, ollama_model=MODEL, quiet=True)
+    lab = Lab.setup("tests-proxy-lifecycle", ollama_host=ollama_like, ollama_model=MODEL, quiet=True, fork_servers=True)
     servers = list(lab._servers)
     try:
         assert not lab.scripted

@@ -19,7 +19,7 @@ SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 
 @pytest.fixture
 def lab(request, lab_home):
-    with Lab.setup(f"tests-owner-{request.node.name}", quiet=True) as lab:
+    with Lab.setup(f"tests-owner-{request.node.name}", quiet=True, fork_servers=True) as lab:
         yield lab
 
 

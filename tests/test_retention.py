@@ -36,7 +36,7 @@ UNKNOWN = "00000000-0000-4000-8000-000000000000"
 @pytest.fixture
 def own_lab(request, lab_home):
     """A lab of this test's own, for a worker that is killed (its model pause is the test's)."""
-    with Lab.setup(f"tests-retention-{request.node.name}", quiet=True) as lab:
+    with Lab.setup(f"tests-retention-{request.node.name}", quiet=True, fork_servers=True) as lab:
         yield lab
 
 

@@ -146,7 +146,7 @@ def test_cancel_during_a_payment_does_not_undo_it_and_only_a_keyed_tool_is_safe_
     keyed tool gets the same idempotency key again and pays once; the plain one pays twice."""
     from sophos_lab.lab.harness import Lab
 
-    with Lab.setup("run-control-ledger", quiet=True, extra_servers=("ledger",)) as lab:
+    with Lab.setup("run-control-ledger", quiet=True, fork_servers=True, extra_servers=("ledger",)) as lab:
         lab.without_approvals()
         with lab.worker() as child:
             outcomes = {}

@@ -66,7 +66,7 @@ def payments(lab: Lab) -> list[tuple[str, int]]:
 def ledger_lab(request, lab_home):
     """A lab of this test's own whose `mcp.json` has the ledger, whose payments need approval."""
     name = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)
-    with Lab.setup(f"tests-widgets-{name}", quiet=True, extra_servers=("ledger",)) as lab:
+    with Lab.setup(f"tests-widgets-{name}", quiet=True, fork_servers=True, extra_servers=("ledger",)) as lab:
         yield lab
 
 

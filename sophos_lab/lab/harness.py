@@ -96,6 +96,8 @@ class Lab:
     _children: list[Any] = field(default_factory=list)
     extra_servers: list[str] = field(default_factory=list)
     """The servers from `config/extras/` added to this lab's `mcp.json` (kept by `restore_mcp_config`)."""
+    fork_servers: bool = False
+    """Whether this lab's `python -m` stdio servers are forked (`Lab.setup(fork_servers=True)`)."""
 
     @classmethod
     def setup(
@@ -107,13 +109,19 @@ class Lab:
         shutdown_timeout: float = 5.0,
         quiet: bool = False,
         extra_servers: tuple[str, ...] | list[str] = (),
+        fork_servers: bool = False,
     ) -> Lab:
         """A fresh lab: wipe `.lab/<name>/`, copy the config, start the model (unless a real
         Ollama is named by argument or `OLLAMA_HOST`: then a recording proxy in front of it) and
         the web fixture server.
 
         `extra_servers` names servers of `config/extras/` (e.g. `("ledger",)`, lesson 07) to add
-        to the lab's `mcp.json`; by default it has only the kit's `fetch` and `memory`."""
+        to the lab's `mcp.json`; by default it has only the kit's `fetch` and `memory`.
+
+        `fork_servers=True` forks every `python -m` stdio server of the lab's `mcp.json` (`fetch`,
+        the ledger) from the fork server instead of starting a fresh interpreter each time
+        (`fork_mcp_server`): for tests that start hundreds of children. A lesson leaves it off, so
+        that the processes it shows are the ones the config names."""
         if isinstance(extra_servers, str):
             extra_servers = (extra_servers,)
         extras = {name: extra_server(name) for name in extra_servers}  # an unknown name fails before anything starts
@@ -148,6 +156,8 @@ class Lab:
         )
         for extra in extras:
             lab.add_mcp_server(extra)
+        lab.fork_servers = fork_servers
+        lab._fork_python_servers()
         if not quiet:
             print(lab.describe())
         return lab
@@ -221,6 +231,7 @@ class Lab:
         self.edit_mcp_config(lambda config: config.update(entries))
         if name not in self.extra_servers:
             self.extra_servers.append(name)
+        self._fork_python_servers()
 
     def fork_mcp_server(self, name: str) -> None:
         """Start the stdio server `name` (a `python -m module` entry of this lab's `mcp.json`)
@@ -242,6 +253,16 @@ class Lab:
 
         self.edit_mcp_config(change)
 
+    def _fork_python_servers(self) -> None:
+        # A forked entry's command is the launcher (`python -S launch_forked.py …`), so this can
+        # run again after any change to the config without forking a server twice.
+        if not self.fork_servers:
+            return
+        config = json.loads((self.config_dir / "mcp.json").read_text())
+        for name, entry in config.items():
+            if isinstance(entry, dict) and entry.get("args", [None])[:1] == ["-m"]:
+                self.fork_mcp_server(name)
+
     def without_approvals(self) -> None:
         """Let this lab's tools run without a person's approval: drop every server's `approval`
         (lesson 07 shows what a side effect does across a crash when nothing stops it first)."""
@@ -253,6 +274,7 @@ class Lab:
         for name in self.extra_servers:
             entries = extra_server(name)
             self.edit_mcp_config(lambda config: config.update(entries))
+        self._fork_python_servers()
 
     # children
 
