@@ -14,8 +14,10 @@ _EXPORTS = {
     "Lab": "lab.harness",
     "Settings": "runtime.settings",
     "SophosError": "runtime.errors",
+    "check": "lab.exercises",
     "dead_port_url": "lab.harness",
-    "reveal": "lab.harness",
+    "reveal": "lab.predictions",
+    "score": "lab.predictions",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -61,6 +61,60 @@ def test_no_golden_file_without_a_lesson() -> None:
     assert files - set(IDS) == set(), f"golden files of no lesson: {sorted(files - set(IDS))}"
 
 
+PREDICTION_LINE = re.compile(r"(?m)^(prediction\w*) = None\b")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_prediction_is_revealed_once_scored_and_answered_in_the_nbval_copy(path: Path, tmp_path: Path) -> None:
+    """The lesson asks, reveals each prediction once and ends with its score; nbval's copy answers
+    every prediction with the recorded answer (so its checked score cell says all were right)."""
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell.source for cell in notebook.cells if cell.cell_type == "code"]
+    declared = PREDICTION_LINE.findall("\n".join(code))
+    revealed = golden.prediction_names(notebook)
+    assert declared, f"{path.name} asks for no prediction"
+    assert sorted(revealed) == sorted(set(revealed)) == sorted(declared), (path.name, declared, revealed)
+    assert "score()" in code[-2] and golden.is_checked(notebook.cells[-2]), f"{path.name}: no score before lab.close()"
+    answers = golden.read_answers(path.stem)
+    assert sorted(answers) == sorted(declared), f"{path.name}: run `golden.py record {path.stem}`"
+    (copy,) = golden.inject(tmp_path, [path.stem])
+    answered = "\n".join(c.source for c in nbformat.read(copy, as_version=4).cells if c.cell_type == "code")
+    assert not PREDICTION_LINE.search(answered), f"{copy.name}: a prediction left unanswered"
+    for name, value in answers.items():
+        assert re.search(rf"(?m)^{name} = {re.escape(repr(value))}", answered), (name, value)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_exercise_has_a_reference_solution_and_a_known_wrong_answer(path: Path) -> None:
+    """Each `# ✏️ EXERCISE name:` cell: a stub that says "not done" as committed, a solution and
+    a wrong answer in solutions/<lesson>/ starting with the same marker line, and a check after it."""
+    from sophos_lab.lab.exercises import exercise_names
+
+    notebook = nbformat.read(path, as_version=4)
+    cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    for index, cell in enumerate(cells):
+        for name in exercise_names(cell.source):
+            assert "raise NotImplementedError" in cell.source, f"{path.name} {name}: the stub must say not done"
+            checks = [c for c in cells[index + 1:] if f'check("{name}"' in c.source]
+            assert checks and golden.is_checked(checks[0]), f"{path.name} {name}: no checked `check(\"{name}\", ...)` cell after it"
+            marker = cell.source.splitlines()[0]
+            for wrong in (False, True):
+                solution = golden.solution_path(path.stem, name, wrong)
+                assert solution.exists(), f"{path.name} {name}: no {solution.relative_to(ROOT)}"
+                assert solution.read_text(encoding="utf-8").splitlines()[0] == marker, solution
+
+
+def test_no_solutions_without_an_exercise() -> None:
+    known = {(path.stem, name) for path in NOTEBOOKS for name in golden.exercises(nbformat.read(path, as_version=4))}
+    files = {(p.parent.name, p.name.split(".")[0]) for p in golden.SOLUTIONS.glob("*/*.py")}
+    assert files <= known, f"solutions of no exercise: {sorted(files - known)}"
+
+
+def test_no_answers_without_a_lesson() -> None:
+    files = {p.stem for p in golden.ANSWERS.glob("*")}
+    assert files - set(IDS) == set(), f"answers of no lesson: {sorted(files - set(IDS))}"
+
+
 def test_inject_writes_each_lesson_with_its_golden_outputs(tmp_path: Path) -> None:
     written = golden.inject(tmp_path)
     assert [p.name for p in written] == [p.name for p in NOTEBOOKS]
@@ -77,8 +131,9 @@ def test_inject_writes_each_lesson_with_its_golden_outputs(tmp_path: Path) -> No
             assert json.loads(json.dumps(cell.outputs)) == expected, f"{copy.name} {cell.id}"
             # nbval refuses a reference cell with outputs and no execution count
             assert (cell.execution_count is not None) == (cell.id in stored), f"{copy.name} {cell.id}"
-            if "parameters" not in cell.metadata.get("tags", []):
-                assert cell.source == original.source, f"{copy.name} {cell.id}: only the parameters cell may change"
+            if "parameters" not in cell.metadata.get("tags", []) and not PREDICTION_LINE.search(original.source):
+                assert cell.source == original.source, (
+                    f"{copy.name} {cell.id}: only the parameters and prediction cells may change")
 
 
 def test_the_chat_lesson_stops_before_resume_and_its_nbval_copy_clicks(tmp_path: Path) -> None:

@@ -17,30 +17,40 @@ scripted model.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
 import papermill
 import pytest
 from conftest import OLLAMA_LIKE_MODEL
-from test_notebooks_committed import parameters
+from test_notebooks_committed import golden, parameters
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-KILL_POINT_NEEDS_A_TOOL_CALL = {"04", "05", "06", "07", "08", "09", "10", "11", "12", "13"}
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
+KILL_POINT_NEEDS_A_TOOL_CALL = {
+    "04_crash_after_tool_result", "05_graceful_shutdown", "06_chat_and_resume", "07_side_effects_and_idempotency",
+    "08_runtime_ownership", "09_own_the_process", "10_streaming_is_not_persistence", "11_cancel",
+    "12_approval_gate", "13_retries_and_timeouts",
+}
 
 
 @pytest.mark.other_model
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_the_lesson_runs_to_the_end_with_another_ollama_server(path, ollama_like, monkeypatch):
     monkeypatch.setenv("OLLAMA_HOST", ollama_like)  # what a learner sets; the kernel inherits it
-    hesitant = path.stem[:2] in KILL_POINT_NEEDS_A_TOOL_CALL
+    hesitant = path.stem in KILL_POINT_NEEDS_A_TOOL_CALL
     monkeypatch.setenv("OLLAMA_MODEL", f"{OLLAMA_LIKE_MODEL}-hesitant" if hesitant else OLLAMA_LIKE_MODEL)
     out = ROOT / ".lab" / "executed-other-model" / path.name
     out.parent.mkdir(parents=True, exist_ok=True)
     injected = parameters(path)
+    # The exercises get their known wrong answers here (nbval's copies get the right ones).
+    lesson = nbformat.read(path, as_version=4)
+    golden.set_solutions(lesson, path.stem, wrong=True)
+    wrong = out.with_suffix(".wrong-answers.ipynb")
+    nbformat.write(lesson, wrong)
     papermill.execute_notebook(
-        str(path), str(out), parameters=injected, kernel_name="python3",
+        str(wrong), str(out), parameters=injected, kernel_name="python3",
         cwd=str(path.parent), execution_timeout=120, start_timeout=120, progress_bar=False,
     )
     executed = nbformat.read(out, as_version=4)
@@ -52,5 +62,8 @@ def test_the_lesson_runs_to_the_end_with_another_ollama_server(path, ollama_like
         o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
     )
     assert "recording proxy" in described  # the lab said which model it used
+    for exercise in golden.exercises(lesson):  # each check failed the wrong answer, with its reason
+        assert re.search(rf"❌ {exercise}: \S", described), (exercise, described[-2000:])
+    assert "🔮 You made none of this lesson's" in described  # no predictions injected: told, not stopped
     if hesitant:  # it answered in words first, and the lesson said so before asking again
         assert "answered without" in described and "again" in described

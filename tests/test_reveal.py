@@ -5,7 +5,7 @@ matter) are the answer; anything else is not, and no prediction is never marked 
 import numpy as np
 import pytest
 
-from sophos_lab.lab.harness import reveal
+from sophos_lab.lab.predictions import current_score, new_score, reveal, score
 
 
 @pytest.mark.parametrize(("prediction", "actual", "ordered"), [
@@ -41,3 +41,40 @@ def test_no_prediction_shows_what_happened_and_asks_for_one(capsys):
     reveal(None, ("agent",))
 
     assert capsys.readouterr().out == "observed: ('agent',)  (write your prediction first next time!)\n"
+
+
+def test_the_score_counts_right_wrong_and_missing_predictions(capsys):
+    new_score()
+    reveal(5, 5)
+    reveal(["agent"], ("agent",))
+    reveal(2, 3)
+    reveal(None, "failed")
+    capsys.readouterr()
+
+    score()
+
+    result = current_score()
+    assert (result.right, result.made, result.skipped) == (2, 3, 1)
+    assert capsys.readouterr().out == "🔮 Your predictions: 2 of 4 right, 1 not made.\n"
+
+
+def test_a_learner_who_predicted_nothing_is_told_so_and_not_stopped(capsys):
+    new_score()
+    reveal(None, 5)
+    reveal(None, [])
+    capsys.readouterr()
+
+    score()
+
+    result = current_score()
+    assert (result.right, result.made) == (0, 0)
+    out = capsys.readouterr().out
+    assert out.startswith("🔮 You made none of this lesson's 2 predictions.") and "start the lesson over" in out, out
+
+
+def test_a_new_lab_starts_a_new_score(lab_home):
+    from sophos_lab import Lab
+
+    reveal(1, 1)
+    with Lab.setup("tests-new-score", quiet=True):
+        assert current_score().revealed == []

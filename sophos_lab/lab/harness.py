@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from . import inspect as views
 from ..standins._proc import stop_server
 from ..runtime.agent import Readiness, check_model
 from .children import LabKernel, LabServer, LabWorker
+from .predictions import new_score
 from ..standins.model_proxy import ModelProxyControl, normalize_upstream, start_model_proxy
 from ..standins.scripted_model import ScriptedModelControl, start_scripted_model
 from ..runtime.settings import Settings
@@ -158,6 +158,7 @@ class Lab:
             lab.add_mcp_server(extra)
         lab.fork_servers = fork_servers
         lab._fork_python_servers()
+        new_score()  # a fresh lab is a fresh pass at the lesson: its predictions count from zero
         if not quiet:
             print(lab.describe())
         return lab
@@ -386,35 +387,3 @@ class Lab:
 
     def _log(self, kind: str) -> Path:
         return self.root / "logs" / f"{kind}-{len(self._children) + 1}.log"
-
-
-def reveal(prediction: Any, actual: Any, *, ordered: bool = True) -> None:
-    """Compare a learner's prediction with what happened; never fails (None = no prediction).
-
-    As a person would: a list and a tuple with the same items are the same answer, a word's
-    case and the spaces around it do not count, and with `ordered=False` (a set of files, of
-    processes) neither does the order of a sequence's items."""
-    if prediction is None:
-        print(f"observed: {actual!r}  (write your prediction first next time!)")
-    elif same_answer(prediction, actual, ordered=ordered):
-        print(f"✅ you predicted {prediction!r}, and that is what happened")
-    else:
-        print(f"❌ you predicted {prediction!r}, but observed {actual!r}")
-
-
-def same_answer(prediction: Any, actual: Any, *, ordered: bool = True) -> bool:
-    """Whether `prediction` says what `actual` is, in `reveal`'s sense."""
-    return _answer(prediction, ordered) == _answer(actual, ordered)
-
-
-def _answer(value: Any, ordered: bool) -> Any:
-    if isinstance(value, str):
-        return value.strip().casefold()
-    if isinstance(value, Mapping):
-        return {_answer(k, ordered): _answer(v, ordered) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_answer(item, ordered) for item in value]
-        return items if ordered else sorted(items, key=repr)
-    if isinstance(value, np.generic):
-        return value.item()  # a numpy scalar read off a DataFrame
-    return value

@@ -14,6 +14,17 @@ executes the copies (like nbval: a `python3` kernel whose cwd is the copy's dire
 lessons named (all by default), rewrites the entries whose output differs after sanitising. Review
 the diff of `tests/notebooks/golden/` before committing it.
 
+The copies answer the lesson's 🔮 predictions: `tests/notebooks/answers/<notebook>.json` holds, per
+`prediction_*` variable, what the lesson observed (recorded by `record`, from the values `reveal`
+saw), and the copy's prediction cell sets them, so the lesson's `score()` cell, a checked one, says
+every prediction was right: a lesson whose behaviour drifts from its answers fails there. The
+committed lessons leave the predictions `None` (the other-model run executes them so: a learner
+who predicts nothing is told so and goes on).
+
+The copies also hold the reference solution of each exercise (`solutions/<notebook>/<exercise>.py`
+put into its `# ✏️ EXERCISE <exercise>:` cell), so the checked check cell after it must say ✅;
+the other-model run puts in the known wrong answers (`<exercise>.wrong.py`) and expects ❌.
+
 The copies differ from the lessons in one more way, `NBVAL_PARAMETERS`: lesson 06 stops before
 Resume by default (`CLICK_RESUME = False`, so that Run All leaves the crashed state to the learner);
 its copy sets `CLICK_RESUME = True`, so that nbval also checks the summary after the resume.
@@ -33,6 +44,8 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 GOLDEN = Path(__file__).resolve().parent / "golden"
+ANSWERS = Path(__file__).resolve().parent / "answers"
+SOLUTIONS = ROOT / "solutions"
 RECORD_DIR = ROOT / ".lab" / "golden-record"
 
 NBVAL_PARAMETERS: dict[str, dict[str, object]] = {"06_chat_and_resume": {"CLICK_RESUME": True}}
@@ -42,7 +55,7 @@ _CHECK_MARKER = re.compile(r"(?m)^\s*#\s*NBVAL_CHECK_OUTPUT\b")
 
 
 def lessons() -> list[Path]:
-    return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    return sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb"))
 
 
 def is_checked(cell) -> bool:
@@ -85,6 +98,60 @@ def set_parameters(notebook, name: str) -> None:
     cell.source = source
 
 
+def prediction_names(notebook) -> list[str]:
+    """The `prediction_*` variables in the order the lesson reveals them (its `reveal(...)` calls)."""
+    import ast
+
+    names = []
+    for cell in notebook.cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:  # a cell with IPython magics reveals nothing
+            continue
+        calls = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Call)
+                        and getattr(node.func, "id", None) == "reveal"), key=lambda n: (n.lineno, n.col_offset))
+        names += [call.args[0].id for call in calls if call.args and isinstance(call.args[0], ast.Name)]
+    return names
+
+
+def read_answers(name: str) -> dict[str, object]:
+    path = ANSWERS / f"{name}.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def set_predictions(notebook, name: str) -> None:
+    """Answer the lesson's prediction cell (`prediction_x = None` lines) with its recorded answers."""
+    answers = read_answers(name)
+    for cell in notebook.cells:
+        if cell.cell_type != "code":
+            continue
+        for key, value in answers.items():
+            cell.source = re.sub(rf"(?m)^{re.escape(key)} = None\b", f"{key} = {value!r}", cell.source)
+
+
+def exercises(notebook) -> list[str]:
+    """The names of the lesson's exercise cells (`# ✏️ EXERCISE <name>:`), in order."""
+    from sophos_lab.lab.exercises import exercise_names
+
+    return [name for cell in notebook.cells if cell.cell_type == "code" for name in exercise_names(cell.source)]
+
+
+def solution_path(lesson: str, exercise: str, wrong: bool = False) -> Path:
+    return SOLUTIONS / lesson / f"{exercise}{'.wrong' if wrong else ''}.py"
+
+
+def set_solutions(notebook, name: str, wrong: bool = False) -> None:
+    """Put the reference solution (or the known wrong answer) into each exercise cell."""
+    from sophos_lab.lab.exercises import exercise_names
+
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            for exercise in exercise_names(cell.source):
+                cell.source = solution_path(name, exercise, wrong).read_text(encoding="utf-8").rstrip("\n")
+
+
 def injected(path: Path, require_golden: bool = True):
     """The lesson with its golden outputs (and its nbval parameters), ready for nbval.
 
@@ -103,6 +170,8 @@ def injected(path: Path, require_golden: bool = True):
             # cell has outputs"); the count a Run All would give it.
             cell.execution_count = number
     set_parameters(notebook, name)
+    set_predictions(notebook, name)
+    set_solutions(notebook, name)
     return notebook
 
 
@@ -121,17 +190,20 @@ def inject(out_dir: Path, names: list[str] | None = None, require_golden: bool =
 
 
 def record(names: list[str] | None = None, timeout: int = 120) -> None:
-    from nbclient import NotebookClient
-
-    shutil.rmtree(RECORD_DIR, ignore_errors=True)
-    for copy in inject(RECORD_DIR, names, require_golden=False):
-        name = copy.stem
-        notebook = nbformat.read(copy, as_version=4)
+    for name in names or [path.stem for path in lessons()]:
+        # A folder per lesson: two recordings of different lessons can run at once.
+        shutil.rmtree(RECORD_DIR / name, ignore_errors=True)
+        (copy,) = inject(RECORD_DIR / name, [name], require_golden=False)
         print(f"executing {name} ...", flush=True)
-        NotebookClient(
-            notebook, timeout=timeout, startup_timeout=120, kernel_name="python3",
-            resources={"metadata": {"path": str(copy.parent)}},
-        ).execute()
+        notebook, observed = execute(copy, timeout)
+        answers = dict(zip(prediction_names(notebook), observed, strict=True))
+        if answers != read_answers(name):
+            # The copy answered with the old answers, so its score cell is off: once more with the new.
+            ANSWERS.mkdir(parents=True, exist_ok=True)
+            (ANSWERS / f"{name}.json").write_text(json.dumps(answers, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            print(f"  {ANSWERS.relative_to(ROOT)}/{name}.json: new answers; executing {name} again ...", flush=True)
+            nbformat.write(injected(NOTEBOOKS / f"{name}.ipynb", require_golden=False), copy)
+            notebook, observed = execute(copy, timeout)
         nbformat.write(notebook, copy)  # kept for inspection
         fresh = json.loads(json.dumps({c.id: c.outputs for c in notebook.cells if is_checked(c)}))
         before = read_golden(name)
@@ -139,6 +211,27 @@ def record(names: list[str] | None = None, timeout: int = 120) -> None:
         changed = sorted(cid for cid in fresh if cid not in before or sanitised(before[cid]) != sanitised(fresh[cid]))
         write_golden(name, {cid: fresh[cid] if cid in changed else before[cid] for cid in fresh})
         print(f"  {golden_path(name).relative_to(ROOT)}: {len(fresh)} checked cells, changed: {changed or 'none'}")
+
+
+def execute(copy: Path, timeout: int):
+    """Run the copy as nbval does (a `python3` kernel in the copy's directory); the notebook with
+    its outputs, and what each `reveal` observed."""
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(copy, as_version=4)
+    client = NotebookClient(notebook, timeout=timeout, startup_timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(copy.parent)}})
+    probe = nbformat.v4.new_code_cell(
+        "import json as _json\nfrom sophos_lab.lab.predictions import current_score as _current\n"
+        "print(_json.dumps(_current().observed()))")
+    with client.setup_kernel():
+        for index, cell in enumerate(notebook.cells):
+            client.execute_cell(cell, index)
+        notebook.cells.append(probe)
+        client.execute_cell(probe, len(notebook.cells) - 1)
+        notebook.cells.pop()
+    observed = json.loads("".join(o.get("text", "") for o in probe.outputs if o.output_type == "stream"))
+    return notebook, observed
 
 
 def sanitised(outputs: list[dict]) -> str:
