@@ -55,11 +55,39 @@ def lab_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def learner_notebooks() -> Path:
+    """The learner's copies of the lessons (`.lab/notebooks/`): the folder JupyterLab opens.
+
+    JupyterLab saves a notebook with its outputs (and autosaves it), so a learner working in the
+    committed lessons would see last time's answers beside the 🔮 prompts, and leave the git tree
+    dirty. Each lesson is copied here once; the copy is the learner's from then on."""
+    from .lab.harness import lab_home
+
+    return lab_home() / "notebooks"
+
+
+def copy_lessons(target: Path | None = None) -> list[str]:
+    """Copy each lesson of `notebooks/` that the learner has no copy of yet; the names copied.
+    A copy that exists is never overwritten (`sophos-lab reset LESSON` starts one over)."""
+    target = learner_notebooks() if target is None else target
+    target.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for lesson in sorted((KIT_ROOT / "notebooks").glob("*.ipynb")):
+        if not (target / lesson.name).exists():
+            shutil.copy2(lesson, target / lesson.name)
+            copied.append(lesson.stem)
+    return copied
+
+
+def lessons() -> list[str]:
+    return sorted(path.stem for path in (KIT_ROOT / "notebooks").glob("*.ipynb"))
+
+
 def lab_command(port: int, extra: list[str]) -> list[str]:
     """The JupyterLab command line (the token travels in `JUPYTER_TOKEN`, not in `ps` output)."""
     command = [
         sys.executable, "-m", "jupyterlab", "--ip=127.0.0.1", f"--port={port}", "--no-browser",
-        f"--ServerApp.root_dir={KIT_ROOT / 'notebooks'}", *extra,
+        f"--ServerApp.root_dir={learner_notebooks()}", *extra,
     ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         command.append("--allow-root")
@@ -119,6 +147,11 @@ def start_lab(port: int, extra: list[str]) -> int:
     from .standins.scripted_model import start_scripted_model
 
     env = lab_environment()
+    copied = copy_lessons()
+    if copied:
+        print(f"sophos-lab: your copies of {len(copied)} lessons are in {learner_notebooks()} "
+              "(the committed ones in notebooks/ stay as they are; `sophos-lab reset LESSON` starts one over)",
+              flush=True)
     env.setdefault("JUPYTER_TOKEN", secrets.token_urlsafe(24))
     _switch_off_news(Path(env["JUPYTERLAB_SETTINGS_DIR"]))
     runtime_dir = Path(env["JUPYTER_RUNTIME_DIR"])
@@ -260,11 +293,22 @@ async def _discover(tools: McpTools) -> list:
         await tools.aclose()
 
 
-def reset() -> str:
-    """Delete the lab home; say what happened."""
+def reset(names: list[str] | None = None) -> str:
+    """Delete the lab home (names: only those lessons' copies and lab folders); say what happened."""
     from .lab.harness import lab_home
 
     home = lab_home()
+    if names:
+        unknown = sorted(set(names) - set(lessons()))
+        if unknown:
+            raise SystemExit(f"sophos-lab reset: no lesson {', '.join(unknown)}; the lessons are: {', '.join(lessons())}")
+        for name in names:
+            shutil.rmtree(home / name, ignore_errors=True)
+            copy = learner_notebooks() / f"{name}.ipynb"
+            copy.unlink(missing_ok=True)
+        copy_lessons()
+        return (f"started over: {', '.join(names)} (a fresh copy of the lesson in {learner_notebooks()}, "
+                "its lab folder removed; the other lessons are untouched)")
     if not home.exists():
         return f"nothing to remove: {home} does not exist"
     shutil.rmtree(home, ignore_errors=True)
@@ -376,7 +420,10 @@ def main(argv: list[str] | None = None) -> None:
                      help="interface to listen on (default 127.0.0.1; anything else needs SOPHOS_LAB_TOKEN)")
     api.add_argument("--port", type=int, default=5174, help="port (default 5174; 0 picks a free one)")
     api.add_argument("--lab-child", action="store_true", help=argparse.SUPPRESS)
-    commands.add_parser("reset", help="delete all lab state (.lab/)")
+    reset_parser = commands.add_parser(
+        "reset", help="start lessons over: LESSON ... replaces your copy of each and removes its lab "
+                      "folder; with no LESSON, deletes all lab state (.lab/: every copy, database, setting)")
+    reset_parser.add_argument("lessons", nargs="*", metavar="LESSON", help="e.g. 00_start_here")
     commands.add_parser("worker", help="run the agent as a child process driven over stdin")
     _add_retention_commands(commands)
     args, extra = parser.parse_known_args(argv)
@@ -394,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "serve":
         sys.exit(serve_api(args.host, args.port, args.lab_child))
     elif args.command == "reset":
-        print(reset())
+        print(reset(args.lessons))
     elif args.command == "worker":
         from .lab.worker import main as worker_main
 

@@ -236,3 +236,41 @@ def test_messages_display_keeps_line_breaks_and_shows_missing_values_empty(fetch
     assert "pre-wrap" in html
     assert "None" not in frame[["role", "name"]]._repr_html_()  # a selection displays the same way
     assert isinstance(frame, pd.DataFrame) and frame["name"].iloc[0] is None
+
+
+def test_the_lab_opens_the_learners_copies_and_never_overwrites_one(tmp_path, monkeypatch):
+    """JupyterLab saves outputs into the notebooks it opens: it opens copies under the lab home,
+    made once, so the committed lessons stay without answers and a learner's edits stay theirs."""
+    monkeypatch.setenv("SOPHOS_LAB_HOME", str(tmp_path))
+    committed = {p.name: p.read_bytes() for p in (cli.KIT_ROOT / "notebooks").glob("*.ipynb")}
+
+    assert sorted(cli.copy_lessons()) == sorted(Path(name).stem for name in committed)
+    copies = tmp_path / "notebooks"
+    assert f"--ServerApp.root_dir={copies}" in cli.lab_command(8888, [])
+    (copies / "00_start_here.ipynb").write_text("my own notes")
+
+    assert cli.copy_lessons() == []
+    assert (copies / "00_start_here.ipynb").read_text() == "my own notes"
+    assert {p.name: p.read_bytes() for p in (cli.KIT_ROOT / "notebooks").glob("*.ipynb")} == committed
+
+
+def test_reset_of_one_lesson_starts_it_over_and_leaves_the_others(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SOPHOS_LAB_HOME", str(tmp_path))
+    cli.copy_lessons()
+    copies = tmp_path / "notebooks"
+    lesson, other = sorted(p.stem for p in copies.glob("*.ipynb"))[:2]
+    for name in (lesson, other):
+        (copies / f"{name}.ipynb").write_text("edited")
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sophos.db").write_text("state")
+
+    cli.main(["reset", lesson])
+
+    assert "started over" in capsys.readouterr().out
+    assert (copies / f"{lesson}.ipynb").read_bytes() == (cli.KIT_ROOT / "notebooks" / f"{lesson}.ipynb").read_bytes()
+    assert not (tmp_path / lesson).exists()
+    assert (copies / f"{other}.ipynb").read_text() == "edited" and (tmp_path / other / "sophos.db").exists()
+
+    with pytest.raises(SystemExit, match="no lesson 99_nothing"):
+        cli.main(["reset", "99_nothing"])
+    assert (copies / f"{other}.ipynb").read_text() == "edited"
