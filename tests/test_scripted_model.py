@@ -346,3 +346,20 @@ def test_placeholders_leave_other_braces_alone():
 def test_tokens_join_back_to_the_text():
     text = "  Two  spaces,\nnew lines\n\n- and bullets "
     assert "".join(tokenize(text)) == text
+
+
+def test_each_example_is_answered_by_its_own_script_and_the_fallback_lists_them():
+    """A learner who types something unscripted is told what the scripted model answers."""
+    from sophos_lab.standins.scripted_model import choose_turn, load_scripts
+
+    scripts = load_scripts(SCRIPTS)
+    examples = {script.name: script.example for script in scripts if script.example}
+    assert {"fetch-and-summarise", "long-essay", "plain-answer"} <= set(examples)
+    for name, example in examples.items():
+        chosen = choose_turn(scripts, [{"role": "user", "content": example.split(" (")[0]}])
+        assert chosen.script == name, (example, chosen.script)
+
+    fallback = choose_turn(scripts, [{"role": "user", "content": "What is the weather like?"}])
+
+    assert fallback.script == "plain"
+    assert all(f"- {example}" in fallback.turn.text for example in examples.values()), fallback.turn.text

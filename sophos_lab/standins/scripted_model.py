@@ -122,6 +122,8 @@ class Script:
     turns: tuple[Turn, ...]
     match: re.Pattern[str] | None = None
     description: str = ""
+    example: str = ""
+    """A message this script answers, for the fallback's list of what to try ("" for a lesson's own)."""
     repeat_last: bool = False
     tool_error_match: re.Pattern[str] = TOOL_ERROR
 
@@ -135,6 +137,7 @@ class Script:
         return cls(
             name=data.get("name", default_name),
             description=data.get("description", ""),
+            example=data.get("example", ""),
             match=re.compile(data["match"]),
             turns=tuple(Turn.from_dict(t) for t in data["turns"]),
             repeat_last=bool(data.get("repeat_last", False)),
@@ -166,6 +169,17 @@ PLAIN = Script(
 NO_MORE_TURNS = Turn(text="(scripted: no more turns)")
 
 
+def _fallback(scripts: list[Script]) -> Script:
+    """PLAIN, with the messages the loaded scripts answer, so that a learner who typed something
+    else learns what to try (the scripted model is not a language model)."""
+    examples = [script.example for script in scripts if script.example]
+    if not examples:
+        return PLAIN
+    tries = "\n".join(f"- {example}" for example in examples)
+    return Script(name=PLAIN.name, description=PLAIN.description,
+                  turns=(Turn(text=f"{PLAIN.turns[0].text} I answer messages like these:\n{tries}"),))
+
+
 def load_scripts(directory: str | Path) -> list[Script]:
     """Every ``*.json`` script in ``directory``, sorted by file name."""
     scripts = []
@@ -191,7 +205,7 @@ def choose_turn(scripts: list[Script], messages: list[dict]) -> Choice:
             values = found.groupdict(default="")
             break
     else:
-        script, values = PLAIN, {}
+        script, values = _fallback(scripts), {}
     if index < len(script.turns):
         turn = script.turns[index]
     elif script.repeat_last:
