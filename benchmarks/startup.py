@@ -8,7 +8,7 @@
   Bare: a fresh interpreter that imports the same libraries (LangGraph, its SQLite saver,
   ChatOllama, the MCP adapters), to the line it prints then.
 - kill -> resume: a child is SIGKILLed while the model's answer streams (after the tool result
-  was checkpointed, as in lesson 04); then, as a lab does it, a new child starts, lists the
+  was checkpointed, as in lesson 06d); then, as a lab does it, a new child starts, lists the
   conversations (its first open of the file relabels the dead run `interrupted`) and resumes.
   Timed from the SIGKILL to the resume's first event (`started`: recovery done, the run row
   written); and to the resume's first token, which adds the MCP servers' start and discovery

@@ -1,6 +1,6 @@
 """The chat widget in a real browser: JupyterLab on loopback, Debian's Chromium driven by Playwright.
 
-The first test opens `notebooks/06_chat_and_resume.ipynb` as committed (`CLICK_RESUME = False`, the
+The first test opens `notebooks/06f_chat_and_resume.ipynb` as committed (`CLICK_RESUME = False`, the
 default), so that Run All kills the agent mid-answer and then stops with the Resume button showing. Then it does
 what a learner does: presses Resume in the rendered widget and waits for the completed answer.
 Finally it switches JupyterLab to its dark theme (Settings → Theme → JupyterLab Dark) and checks
@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from conftest import CHROMIUM, CHROMIUM_ARGS, last_bullet, needs_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOK = ROOT / "notebooks" / "06_chat_and_resume.ipynb"
+NOTEBOOK = ROOT / "notebooks" / "06f_chat_and_resume.ipynb"
 APPROVAL_NOTEBOOK = ROOT / "tests" / "notebooks" / "approval_widget.ipynb"
 ARTIFACTS = ROOT / ".lab" / "artifacts"
 DOCS = ROOT / "docs"

@@ -2,7 +2,7 @@
 
 The lab is set up with `ollama_host=` that server, so it starts its proxy and the agent talks to
 the model through it: the request log and the pause points then work as with the scripted
-model, and lesson 04's kill point is as exact. (`conftest.py` clears `OLLAMA_HOST`, so the
+model, and lesson 06d's kill point is as exact. (`conftest.py` clears `OLLAMA_HOST`, so the
 host is always passed explicitly.)
 """
 
@@ -129,7 +129,7 @@ async def test_the_proxy_logs_each_model_call_of_a_run_that_fetches_a_page(lab, 
     assert [r for r in logged if r["path"] == "/api/chat"] == [first, second]
 
 
-# --- (b) lesson 04's kill point, with a model that is not scripted -------------------------
+# --- (b) lesson 06d's kill point, with a model that is not scripted ------------------------
 
 
 async def test_a_kill_held_at_the_summary_resumes_at_the_agent_step_without_a_second_fetch(lab, restart):

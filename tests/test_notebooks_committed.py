@@ -144,20 +144,20 @@ def test_the_chat_lesson_stops_before_resume_and_its_nbval_copy_clicks(tmp_path:
         (cell,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
         return cell.source
 
-    lesson = golden.NOTEBOOKS / "06_chat_and_resume.ipynb"
+    lesson = golden.NOTEBOOKS / "06f_chat_and_resume.ipynb"
     assert re.search(r"(?m)^CLICK_RESUME = False\b", parameters(lesson))
-    (copy,) = golden.inject(tmp_path, ["06_chat_and_resume"])
+    (copy,) = golden.inject(tmp_path, ["06f_chat_and_resume"])
     assert re.search(r"(?m)^CLICK_RESUME = True\b", parameters(copy))
     assert re.search(r"(?m)^CHILD = \"kernel\"", parameters(copy)), "the rest of the cell is kept"
 
 
 # --- the knobs: one `parameters` cell, which papermill overrides --------------------------
 
-WITHOUT_CHILD = {"09_own_the_process", "10_streaming_is_not_persistence"}
+WITHOUT_CHILD = {"01_own_the_process", "04_streaming_is_not_persistence"}
 """The lessons whose agent is `sophos-lab serve` (`lab.server()`): no `CHILD` knob."""
 EXTRA_PARAMETERS = {
-    "06_chat_and_resume": {"CLICK_RESUME": True},
-    "10_streaming_is_not_persistence": {"DISCONNECT_AFTER": 1},
+    "06f_chat_and_resume": {"CLICK_RESUME": True},
+    "04_streaming_is_not_persistence": {"DISCONNECT_AFTER": 1},
 }
 """Per lesson, the parameters the other-model run (test_notebooks_other_model.py) injects besides `CHILD`."""
 

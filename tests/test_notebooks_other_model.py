@@ -3,16 +3,16 @@
 `OLLAMA_HOST` points at `servers/ollama_like.py`, a second Ollama-protocol server that chooses
 its tool calls from the user's message as a real model would; each lab then puts its recording
 proxy in front of it, so the kill points stay exact. papermill runs each lesson to the end with
-the agent in a plain subprocess (`CHILD = "worker"`; nbval runs them with a child kernel), lesson 06
-pressing Resume itself and lesson 10 hanging up after one token (test_notebooks_papermill.py
+the agent in a plain subprocess (`CHILD = "worker"`; nbval runs them with a child kernel), lesson 06f
+pressing Resume itself and lesson 04 hanging up after one token (test_notebooks_papermill.py
 says what each run of a lesson checks). Checks of what the model chose (which tool, how many calls, the
 text) are made for the scripted model only, and the lessons say so when they skip them.
 
-The lessons whose kill point needs a tool call (04-11; 12's gated payment; 13's held page) run
-against the server's hesitant tag, which first answers every such question in words, as a real
-model sometimes does: the lesson says so, asks again, and still reaches its kill point. The model failures of lesson 13
-(HTTP 500s, a 400) come from the lab's recording proxy (`fail_next`), as they come from the
-scripted model.
+The lessons whose kill point needs a tool call (01, 04, 06d-06f, 07, 08b, 10; 11's gated payment;
+12's held page) run against the server's hesitant tag, which first answers every such question in
+words, as a real model sometimes does: the lesson says so, asks again, and still reaches its kill
+point. The model failures of lesson 12 (HTTP 500s, a 400) come from the lab's recording proxy
+(`fail_next`), as they come from the scripted model.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from test_notebooks_committed import golden, parameters
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
 KILL_POINT_NEEDS_A_TOOL_CALL = {
-    "04_crash_after_tool_result", "05_graceful_shutdown", "06_chat_and_resume", "07_side_effects_and_idempotency",
-    "08_runtime_ownership", "09_own_the_process", "10_streaming_is_not_persistence", "11_cancel",
-    "12_approval_gate", "13_retries_and_timeouts",
+    "01_own_the_process", "04_streaming_is_not_persistence", "06d_crash_after_tool_result", "06e_graceful_shutdown",
+    "06f_chat_and_resume", "07_side_effects_and_idempotency", "08a_local_first", "08b_runtime_ownership",
+    "09_life_of_one_run", "10_cancel", "11_approval_gate", "12_retries_and_timeouts",
 }
 
 

@@ -1,18 +1,18 @@
-"""Lesson 06 as committed; and what each run of a lesson checks.
+"""Lesson 06f as committed; and what each run of a lesson checks.
 
 Each lesson runs to the end twice, the two runs differing in where the agent runs and which
-model answers (and lesson 06 twice more):
+model answers (and lesson 06f twice more):
 
 - nbval (in `make test`, on copies with the golden outputs put back): as written, the agent in a
   child *kernel*, the kit's scripted model; every ✅ check runs, the checks of what the model chose
-  included, and the `# NBVAL_CHECK_OUTPUT` cells are compared with their golden outputs. Lesson 06's
+  included, and the `# NBVAL_CHECK_OUTPUT` cells are compared with their golden outputs. Lesson 06f's
   copy sets `CLICK_RESUME = True`, so its checks of the resumed answer run too.
 - `test_notebooks_other_model.py`: papermill injects `CHILD = "worker"` (the agent in a plain
   subprocess) and another Ollama-protocol server answers; every runtime check runs (the checks of
-  what the model chose are the scripted model's). It also sets lesson 06's `CLICK_RESUME = True`
-  (Resume pressed through the widget's worker backend) and lesson 10's `DISCONNECT_AFTER = 1`
+  what the model chose are the scripted model's). It also sets lesson 06f's `CLICK_RESUME = True`
+  (Resume pressed through the widget's worker backend) and lesson 04's `DISCONNECT_AFTER = 1`
   (the client hangs up after the first token; nbval's run keeps 5).
-- lesson 06 as committed (`CLICK_RESUME = False`): here Run All stops with Resume showing, and
+- lesson 06f as committed (`CLICK_RESUME = False`): here Run All stops with Resume showing, and
   `tests/test_browser.py` clicks it in a real browser.
 
 A third run of every lesson, papermill's `CHILD = "worker"` with the scripted model, was dropped:
@@ -32,14 +32,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_chat_lesson_run_all_stops_with_resume_showing() -> None:
-    """Lesson 06 as committed: Run All ends in the crashed state, Resume visible, the checks skipped.
+    """Lesson 06f as committed: Run All ends in the crashed state, Resume visible, the checks skipped.
 
     The same path as a learner's Run All (and the browser test's), without a browser: the notebook's
     cells in order, then one extra cell that reads the widget and closes the lab the lesson left open.
     """
     from nbclient import NotebookClient
 
-    path = ROOT / "notebooks" / "06_chat_and_resume.ipynb"
+    path = ROOT / "notebooks" / "06f_chat_and_resume.ipynb"
     notebook = nbformat.read(path, as_version=4)
     probe = nbformat.v4.new_code_cell(
         "import json as _json\n"

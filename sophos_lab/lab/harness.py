@@ -1,6 +1,6 @@
 """The teaching harness: a disposable lab directory, the scripted model, the web pages, children.
 
-    lab = Lab.setup("03_crash_after_tool_result")
+    lab = Lab.setup("06d_crash_after_tool_result")
     child = lab.kernel()                  # the agent in a kernel this notebook can kill
     child.chat(f"Fetch {lab.page('wal.html')} and summarize it in 12 detailed bullet points.")
     child.wait_for("trace", event="result")
@@ -201,9 +201,9 @@ class Lab:
             "SHUTDOWN_TIMEOUT": str(self.shutdown_timeout),
             "SOPHOS_LAB_LOG_DIR": str(self.root / "logs"),
             "IPYTHONDIR": str(self.root / "ipython"),
-            # One attempt per model step, as the original made: lessons 00-10 show its failures
-            # as they are (a dead port is `AGENT_FAILURE` at once). Pass it to a child to retry
-            # (lesson 13).
+            # One attempt per model step, as the original made: every lesson but 12 shows its
+            # failures as they are (a dead port is `AGENT_FAILURE` at once). Pass it to a child to
+            # retry (lesson 12).
             "SOPHOS_LAB_MODEL_ATTEMPTS": "1",
         }
         env.update({key: str(value) for key, value in overrides.items()})

@@ -50,7 +50,7 @@ class Settings:
     """How long a process's claim on its running runs lasts unless renewed (every third of it)."""
     single_owner: bool = False
     """Reproduce the original's ownership: a `running` run at first open means dead, and no
-    process checks who owns a run before writing (lesson 08 shows what that costs)."""
+    process checks who owns a run before writing (lesson 08b shows what that costs)."""
     event_buffer: int = DEFAULT_EVENT_BUFFER
     """How many of a run's latest events are kept for replay (`Last-Event-ID`); older ones go."""
     model_attempts: int = DEFAULT_MODEL_ATTEMPTS

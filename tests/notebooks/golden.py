@@ -25,7 +25,7 @@ The copies also hold the reference solution of each exercise (`solutions/<notebo
 put into its `# ✏️ EXERCISE <exercise>:` cell), so the checked check cell after it must say ✅;
 the other-model run puts in the known wrong answers (`<exercise>.wrong.py`) and expects ❌.
 
-The copies differ from the lessons in one more way, `NBVAL_PARAMETERS`: lesson 06 stops before
+The copies differ from the lessons in one more way, `NBVAL_PARAMETERS`: lesson 06f stops before
 Resume by default (`CLICK_RESUME = False`, so that Run All leaves the crashed state to the learner);
 its copy sets `CLICK_RESUME = True`, so that nbval also checks the summary after the resume.
 """
@@ -48,7 +48,7 @@ ANSWERS = Path(__file__).resolve().parent / "answers"
 SOLUTIONS = ROOT / "solutions"
 RECORD_DIR = ROOT / ".lab" / "golden-record"
 
-NBVAL_PARAMETERS: dict[str, dict[str, object]] = {"06_chat_and_resume": {"CLICK_RESUME": True}}
+NBVAL_PARAMETERS: dict[str, dict[str, object]] = {"06f_chat_and_resume": {"CLICK_RESUME": True}}
 """Per lesson, the parameters the nbval copy sets in its `parameters` cell (names must exist there)."""
 
 _CHECK_MARKER = re.compile(r"(?m)^\s*#\s*NBVAL_CHECK_OUTPUT\b")
