@@ -15,7 +15,7 @@ PORT ?= 8888
 # `make test PYTEST_WORKERS=0` runs serially.
 PYTEST_WORKERS ?= 4
 PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
-NBVAL_OPTIONS := --nbval-lax --nbval-current-env --nbval-cell-timeout=120 \
+NBVAL_OPTIONS := --nbval-lax --nbval-kernel-name=python3 --nbval-cell-timeout=120 \
 	--nbval-kernel-startup-timeout=120 --nbval-sanitize-with tests/notebooks/sanitize.cfg
 # The lessons are committed without outputs; nbval runs on copies with the golden outputs of their
 # checked cells put back (tests/notebooks/golden/, see tests/notebooks/golden.py).

@@ -174,7 +174,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 # --- the lab ---------------------------------------------------------------------------------
 
-LAB_ENV = ("SOPHOS_LAB_HOME", "OLLAMA_HOST", "OLLAMA_MODEL")
+LAB_ENV = ("SOPHOS_LAB_HOME", "OLLAMA_HOST", "OLLAMA_MODEL", "JUPYTER_PATH")
 _saved_lab_env: dict[str, str | None] = {}
 
 
@@ -193,6 +193,15 @@ def pytest_sessionstart(session):
     home = session.config._tmp_path_factory.mktemp("lab-home")
     _saved_lab_env.update({name: os.environ.get(name) for name in LAB_ENV})
     os.environ["SOPHOS_LAB_HOME"] = str(home)
+    # The kernels nbval and papermill start for the lessons (kernel `python3`) are forked from
+    # this process's fork server, as the lab's own kernel children are (sophos_lab/lab/kernels.py):
+    # about 0.5 s each instead of 2.5 s of imports, for some ninety lesson runs and kernels.
+    from sophos_lab.lab.kernels import kernel_spec
+
+    spec_dir = home.parent / "jupyter-path" / "kernels" / "python3"
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    (spec_dir / "kernel.json").write_text(json.dumps(kernel_spec("Python 3 (forked)")), encoding="utf-8")
+    os.environ["JUPYTER_PATH"] = str(spec_dir.parent.parent)
     os.environ.pop("OLLAMA_HOST", None)
     os.environ.pop("OLLAMA_MODEL", None)
 

@@ -86,3 +86,29 @@ def test_a_cancel_with_nothing_running_is_refused_and_changes_nothing(lab, kind)
     assert (unknown["event"], unknown["data"]["code"]) == ("rejected", NOT_FOUND)
     assert alive  # a refused cancel leaves the child as it was
     assert (run.status, run.cancel_requested_at) == ("completed", None)
+
+
+# --- a kernel child: forked from the fork server, and a real process ---------------------
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
+def test_a_kernel_child_is_its_own_process_and_a_sigkill_ends_it(lab, forked):
+    """Forked (`sophos_lab/lab/kernels.py`) or, with SOPHOS_LAB_FORKSERVER=0, a fresh interpreter:
+    either way a kernel of its own pid and session that runs the agent, and SIGKILL to that pid."""
+    import os
+
+    import psutil
+
+    child = lab.kernel(**({} if forked else {"SOPHOS_LAB_FORKSERVER": "0"}))
+    try:
+        proc = psutil.Process(child.pid)
+        parent = proc.parent()
+        assert ("sophos_lab.lab.forkserver" in parent.cmdline()) is forked, parent.cmdline()
+        assert (parent.pid == os.getpid()) is not forked
+        assert os.getsid(child.pid) == child.pid  # a session of its own: its group is signalled, not ours
+        child.chat("hello")
+        assert child.wait_final()["data"]["status"] == "completed"
+    finally:
+        code = child.kill()
+    assert code == -9
+    assert not psutil.pid_exists(proc.pid) or proc.status() == psutil.STATUS_ZOMBIE

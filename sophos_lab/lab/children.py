@@ -491,12 +491,12 @@ class LabKernel(_Child):
     def _write_kernelspec(self) -> None:
         folder = self.spec_dir / KERNEL_NAME
         folder.mkdir(parents=True, exist_ok=True)
-        spec = {
-            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
-                     f"--IPKernelApp.exec_lines={_PRELOAD}"],
-            "display_name": "sophos_lab child",
-            "language": "python",
-        }
+        from .kernels import kernel_spec
+
+        # Forked from the fork server, which imported the runtime (`kernels.py`); the argv is a
+        # fresh interpreter's, which `SOPHOS_LAB_FORKSERVER=0` starts instead.
+        spec = kernel_spec("sophos_lab child")
+        spec["argv"].append(f"--IPKernelApp.exec_lines={_PRELOAD}")
         (folder / "kernel.json").write_text(json.dumps(spec, indent=1))
 
     def _read(self, km: Any, kc: Any, stop: threading.Event) -> None:
@@ -568,7 +568,7 @@ class LabServer(LabWorker):
 
     def start(self, timeout: float = 60.0) -> LabServer:
         self.log = EventLog()
-        # Not forked: a server is what a user starts by hand, and lessons 09 and 10 read its
+        # Not forked: a server is what a user starts by hand, and lessons 01 and 04 read its
         # process (its parent, its command line) as `sophos-lab serve`'s own.
         with open(self.log_path, "ab") as stderr:
             self.proc = start_child(

@@ -21,12 +21,13 @@ no stop reports, no session or stdio of their own); the lab needs a process that
 
 `SOPHOS_LAB_FORKSERVER=0` in the child's environment starts it with `subprocess.Popen` instead.
 A lab's HTTP server (`lab.server()`) and its kernel children always start as fresh processes:
-lessons 09 and 10 read the server's process as the one a user starts by hand.
+lessons 01 and 04 read the server's process as the one a user starts by hand.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import queue
@@ -47,17 +48,24 @@ MAX_MESSAGE = 1 << 20
 
 
 def start_child(module: str, args: list[str], *, env: Mapping[str, str], cwd: Path, stderr: IO,
-                fork: bool = True) -> Any:
-    """`python -m module *args` with stdin and stdout as text pipes, in a session of its own:
-    forked from the fork server (a `ForkedProcess`), or a `subprocess.Popen` when `fork` is
-    false or the child's environment says `SOPHOS_LAB_FORKSERVER=0`."""
-    if not fork or env.get("SOPHOS_LAB_FORKSERVER", "1") == "0":
+                fork: bool = True, stdout: IO | None = None, preload: tuple[str, ...] = ()) -> Any:
+    """`python -m module *args` in a session of its own, with stdin and stdout as text pipes (or
+    /dev/null and `stdout`): forked from the fork server (a `ForkedProcess`, the modules of
+    `preload` imported there first), or a `subprocess.Popen` when `fork` is false or the child's
+    environment says `SOPHOS_LAB_FORKSERVER=0`."""
+    if not fork or not forking(env):
+        piped = stdout is None
         return subprocess.Popen(
             [sys.executable, "-m", module, *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-            env=dict(env), cwd=cwd, start_new_session=True, text=True, bufsize=1,
+            stdin=subprocess.PIPE if piped else subprocess.DEVNULL, stdout=subprocess.PIPE if piped else stdout,
+            stderr=stderr, env=dict(env), cwd=cwd, start_new_session=True, text=True, bufsize=1,
         )
-    return _server_for(env).start(module, args, env=env, cwd=cwd, stderr=stderr)
+    return _server_for(env).start(module, args, env=env, cwd=cwd, stderr=stderr, stdout=stdout, preload=preload)
+
+
+def forking(env: Mapping[str, str]) -> bool:
+    """Whether children with this environment are forked (`SOPHOS_LAB_FORKSERVER=0`: not)."""
+    return env.get("SOPHOS_LAB_FORKSERVER", "1") != "0"
 
 
 LAUNCHER = Path(__file__).with_name("launch_forked.py")
@@ -97,7 +105,8 @@ def wait_stopped(proc: Any, timeout: float | None = None) -> None:
 class ForkedProcess:
     """A child forked by the fork server, with the part of `subprocess.Popen` the lab uses."""
 
-    def __init__(self, server: ForkServer, pid: int, status: _Status, args: list[str], stdin: IO, stdout: IO) -> None:
+    def __init__(self, server: ForkServer, pid: int, status: _Status, args: list[str], stdin: IO | None,
+                 stdout: IO | None) -> None:
         self._server = server
         self._status = status
         self.pid = pid
@@ -180,29 +189,40 @@ class ForkServer:
         if "ready" not in ready:
             raise RuntimeError(f"the fork server did not start: {ready}")
 
-    def start(self, module: str, args: list[str], *, env: Mapping[str, str], cwd: Path, stderr: IO) -> ForkedProcess:
-        stdin_r, stdin_w = os.pipe()
-        stdout_r, stdout_w = os.pipe()
-        request = {"module": module, "args": args, "env": dict(env), "cwd": str(cwd)}
+    def start(self, module: str, args: list[str], *, env: Mapping[str, str], cwd: Path, stderr: IO,
+              stdout: IO | None = None, preload: tuple[str, ...] = ()) -> ForkedProcess:
+        """Fork `python -m module *args`; its stdin and stdout are pipes to this process, or
+        /dev/null and `stdout` when one is given (a kernel, which talks over ZeroMQ). `preload`
+        names modules the fork server imports first, once, for every later child too."""
+        piped = stdout is None
+        if piped:
+            stdin_r, stdin_w = os.pipe()
+            stdout_r, stdout_w = os.pipe()
+        else:
+            stdin_r, stdin_w = os.open(os.devnull, os.O_RDONLY), None
+            stdout_r, stdout_w = None, os.dup(stdout.fileno())
+        request = {"module": module, "args": args, "env": dict(env), "cwd": str(cwd), "preload": list(preload)}
+        ends = [fd for fd in (stdin_w, stdout_r) if fd is not None]
         try:
             with self._starting:
                 socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin_r, stdout_w, stderr.fileno()])
                 reply = self._reply(READY_TIMEOUT)
         except BaseException:
-            os.close(stdin_w)
-            os.close(stdout_r)
+            for fd in ends:
+                os.close(fd)
             raise
         finally:
             os.close(stdin_r)
             os.close(stdout_w)
         if "started" not in reply:
-            os.close(stdin_w)
-            os.close(stdout_r)
+            for fd in ends:
+                os.close(fd)
             raise RuntimeError(f"the fork server could not start {module}: {reply}")
         with self.changed:
             status = self._statuses[reply["started"]]
         return ForkedProcess(self, reply["started"], status, [sys.executable, "-m", module, *args],
-                             stdin=open(stdin_w, "w", buffering=1), stdout=open(stdout_r))
+                             stdin=open(stdin_w, "w", buffering=1) if piped else None,
+                             stdout=open(stdout_r) if piped else None)
 
     def close(self) -> None:
         """Close the socket: the fork server exits; its children live on until their stdin closes."""
@@ -404,6 +424,8 @@ def serve(sock: socket.socket, listener: socket.socket) -> tuple[dict, list[int]
                 if len(fds) != 3 or not isinstance(request.get("module"), str):
                     raise ValueError(f"a request needs a module and 3 file descriptors, got {len(fds)}")
                 _preload(request["module"])
+                for module in request.get("preload", []):
+                    importlib.import_module(module)
             except Exception as error:  # a bad request is refused; the server goes on
                 for fd in fds:
                     os.close(fd)
