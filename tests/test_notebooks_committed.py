@@ -187,3 +187,18 @@ def test_every_lesson_has_the_knobs_its_runs_set(path: Path) -> None:
     names = parameter_names(path)
     assert ("CHILD" in names) is (path.stem not in WITHOUT_CHILD), (path.name, names)
     parameters(path)
+
+
+def test_the_course_map_lists_every_lesson_in_file_order_in_the_readme_and_in_00() -> None:
+    """File order is reading order: the map in the README and in 00_start_here names every lesson
+    once, in the order of the files, and the two maps are the same."""
+    def mapped(text: str) -> list[str]:
+        table = text[text.index("| stage | notebook |"):]
+        table = table[:table.index("\n\n")] if "\n\n" in table else table
+        return [re.search(r"\| `([^`]+)` \|", row).group(1) for row in table.splitlines()[2:]]
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = nbformat.read(golden.NOTEBOOKS / "00_start_here.ipynb", as_version=4)
+    (course,) = [cell.source for cell in start.cells if cell.source.startswith("## The course")]
+    assert mapped(readme) == IDS, (mapped(readme), IDS)
+    assert mapped(course) == mapped(readme)
