@@ -234,13 +234,27 @@ def execute(copy: Path, timeout: int):
     return notebook, observed
 
 
+def coalesced(outputs: list[dict]) -> list[dict]:
+    """Consecutive stream outputs of one stream as one (nbval compares them so): how a cell's
+    printing is cut into messages depends on timing, not on what it printed."""
+    merged: list[dict] = []
+    for output in outputs:
+        last = merged[-1] if merged else None
+        if (last is not None and output.get("output_type") == "stream" == last.get("output_type")
+                and output.get("name") == last.get("name")):
+            merged[-1] = {**last, "text": last["text"] + output["text"]}
+        else:
+            merged.append(dict(output))
+    return merged
+
+
 def sanitised(outputs: list[dict]) -> str:
     """The outputs as text with `sanitize.cfg`'s replacements applied (as nbval applies them)."""
     import configparser
 
     config = configparser.ConfigParser(interpolation=None)
     config.read(Path(__file__).resolve().parent / "sanitize.cfg")
-    text = json.dumps(outputs, sort_keys=True, ensure_ascii=False)
+    text = json.dumps(coalesced(outputs), sort_keys=True, ensure_ascii=False)
     for section in config.sections():
         text = re.sub(config[section]["regex"], config[section]["replace"], text)
     return text
