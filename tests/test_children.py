@@ -112,3 +112,15 @@ def test_a_kernel_child_is_its_own_process_and_a_sigkill_ends_it(lab, forked):
         code = child.kill()
     assert code == -9
     assert not psutil.pid_exists(proc.pid) or proc.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_kernel_child_that_stops_itself_after_a_write_is_waited_on_like_a_worker(lab):
+    """`SOPHOS_LAB_STOP_AFTER_WRITE=1`: the kernel stops at its first commit; `wait_stopped`
+    returns then (its `write-stop` event may still be on its way), and the run row is on disk."""
+    child = lab.kernel(SOPHOS_LAB_STOP_AFTER_WRITE="1")
+    try:
+        child.chat("hello")
+        child.wait_stopped(timeout=60)
+        assert lab.peek_runs()["status"].tolist()[-1] == "running"
+    finally:
+        child.kill()

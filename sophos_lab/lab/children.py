@@ -416,6 +416,18 @@ class LabKernel(_Child):
     def is_alive(self) -> bool:
         return self.km is not None and self.km.is_alive()
 
+    def wait_stopped(self, timeout: float | None = 60.0) -> None:
+        """As a worker's: block until the kernel has stopped itself (SIGSTOP; once per stop).
+        Its own `write-stop` event may not reach the lab first: the kernel stops before its
+        output thread has sent it. A kernel started without the fork server cannot be waited on."""
+        process = self.km.provisioner.process if self.km is not None and self.km.provisioner else None
+        if not isinstance(process, ForkedProcess):
+            raise ChildFailed("wait_stopped needs a forked kernel (SOPHOS_LAB_FORKSERVER is 0 here)")
+        try:
+            wait_stopped(process, timeout)
+        except ChildProcessError as error:
+            raise ChildFailed(str(error)) from None
+
     def kill(self) -> int:
         """SIGKILL to the kernel's process group (not `shutdown_kernel(now=True)`: no SIGINT first)."""
         self.km.signal_kernel(signal.SIGKILL)
