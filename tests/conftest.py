@@ -174,7 +174,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 # --- the lab ---------------------------------------------------------------------------------
 
-LAB_ENV = ("SOPHOS_LAB_HOME", "OLLAMA_HOST", "OLLAMA_MODEL", "JUPYTER_PATH")
+LAB_ENV = ("SOPHOS_LAB_HOME", "OLLAMA_HOST", "OLLAMA_MODEL", "JUPYTER_PATH", "SOPHOS_LAB_FORKSERVER_SHARED")
 _saved_lab_env: dict[str, str | None] = {}
 
 
@@ -202,6 +202,12 @@ def pytest_sessionstart(session):
     spec_dir.mkdir(parents=True, exist_ok=True)
     (spec_dir / "kernel.json").write_text(json.dumps(kernel_spec("Python 3 (forked)")), encoding="utf-8")
     os.environ["JUPYTER_PATH"] = str(spec_dir.parent.parent)
+    # And those kernels fork the lab children they start from this process's fork server too,
+    # instead of each starting one of its own (its runtime and kernel imports, 2-3 CPU-s).
+    from sophos_lab.lab.children import child_environment
+    from sophos_lab.lab.forkserver import share
+
+    share(child_environment({}))
     os.environ.pop("OLLAMA_HOST", None)
     os.environ.pop("OLLAMA_MODEL", None)
 

@@ -294,3 +294,36 @@ def test_a_lab_with_fork_servers_runs_its_python_stdio_servers_forked(lab, lab_h
     with Lab.setup("tests-fork-servers-off", quiet=True) as plain:
         (fresh,) = fetch_children(plain)
     assert fresh[1:] == ["-m", "mcp_server_fetch", "--allow-private-ips"], fresh
+
+
+def test_a_descendant_forks_its_children_from_the_fork_server_its_ancestor_shared(tmp_path):
+    """`share(env)` (the tests share theirs with the lesson kernels): a process that inherits the
+    variable and starts a child for the same `PYTHON*` variables gets it forked from that server,
+    reported to itself; without the variable it starts a fork server of its own."""
+    import sys
+
+    from sophos_lab.lab import forkserver
+
+    env = child_environment({})
+    forkserver.share(env)
+    shared = forkserver._server_for(env)
+    script = (
+        "import json, os, sys\n"
+        "from pathlib import Path\n"
+        "from sophos_lab.lab.children import child_environment\n"
+        "from sophos_lab.lab.forkserver import start_child\n"
+        f"proc = start_child('probe_child', [], env=child_environment({{}}), cwd=Path({str(PROBES)!r}), stderr=sys.stderr)\n"
+        "proc.stdin.write('report\\n'); proc.stdin.flush()\n"
+        "print(json.dumps({'child_parent': json.loads(proc.stdout.readline())['ppid'], 'me': os.getpid()}))\n"
+        "proc.stdin.close(); print(json.dumps({'exit': proc.wait(10)}))\n"
+    )
+    for inherit, expected in ((True, shared.proc.pid), (False, None)):
+        child_env = dict(env) if inherit else {k: v for k, v in env.items() if k != forkserver.SHARED}
+        done = subprocess.run([sys.executable, "-c", script], env=child_env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        found, ended = (json.loads(line) for line in done.stdout.splitlines())
+        if expected is not None:
+            assert found["child_parent"] == expected
+        else:
+            assert found["child_parent"] not in (shared.proc.pid, found["me"])  # a fork server of its own
+        assert ended == {"exit": 0}

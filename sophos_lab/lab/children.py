@@ -125,7 +125,10 @@ def child_environment(overrides: Mapping[str, str]) -> dict[str, str]:
     """This process's environment without pytest's variables, plus the lab's settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     kit_parent = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (kit_parent, env.get("PYTHONPATH")) if p)
+    paths = [p for p in (env.get("PYTHONPATH") or "").split(os.pathsep) if p]
+    # Once: a lab in a child of a lab (a lesson kernel's) gets the same PYTHON* variables, and
+    # so the same fork server (`forkserver.share`).
+    env["PYTHONPATH"] = os.pathsep.join([kit_parent, *(p for p in paths if p != kit_parent)])
     env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
     env.update(overrides)
     return env

@@ -167,17 +167,27 @@ class _Status:
 class ForkServer:
     """One fork server process and the reports it sends: started pids, stops and exits."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._folder = tempfile.mkdtemp(prefix="sophos-fork-")
-        self.socket_path = os.path.join(self._folder, "launch")
-        """Where launchers connect (`launcher_command`); only this user can reach the folder."""
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(theirs.fileno()), self.socket_path],
-            pass_fds=[theirs.fileno()], env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            start_new_session=True,  # a Ctrl-C at the lab's terminal is not for it
-        )
-        theirs.close()
+    def __init__(self, env: Mapping[str, str] | None, attach_to: str | None = None) -> None:
+        """Start a fork server for children with `env`'s `PYTHON*` variables; or, with
+        `attach_to`, use the running one that listens there (`share`), as a launcher does."""
+        self.proc: subprocess.Popen | None = None
+        self._folder: str | None = None
+        if attach_to is not None:
+            ours = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            ours.connect(attach_to)
+            self.socket_path = attach_to
+        else:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._folder = tempfile.mkdtemp(prefix="sophos-fork-")
+            self.socket_path = os.path.join(self._folder, "launch")
+            """Where launchers connect (`launcher_command`); only this user can reach the folder."""
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno()), self.socket_path],
+                pass_fds=[theirs.fileno()], env=dict(env or {}), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C at the lab's terminal is not for it
+            )
+            theirs.close()
         self._sock = ours
         self._starting = threading.Lock()
         self._replies: queue.Queue[dict] = queue.Queue()
@@ -185,6 +195,8 @@ class ForkServer:
         self.changed = threading.Condition()
         self.gone = False
         threading.Thread(target=self._read, name="forkserver-reports", daemon=True).start()
+        if self.proc is None:
+            return  # a running server: it greets its own lab only
         ready = self._reply(READY_TIMEOUT)
         if "ready" not in ready:
             raise RuntimeError(f"the fork server did not start: {ready}")
@@ -225,12 +237,15 @@ class ForkServer:
                              stdout=open(stdout_r) if piped else None)
 
     def close(self) -> None:
-        """Close the socket: the fork server exits; its children live on until their stdin closes."""
+        """Close the socket: the fork server exits, and its children live on until their stdin
+        closes; an attached client's children go with it, as a launcher's child does."""
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the report reader; the server reads the end
         except OSError:
             pass
         self._sock.close()
+        if self.proc is None:
+            return
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
@@ -274,18 +289,41 @@ class ForkServer:
                 self.changed.notify_all()
 
 
-_servers: dict[tuple, ForkServer] = {}
+_servers: dict[str, ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
+SHARED = "SOPHOS_LAB_FORKSERVER_SHARED"
+"""`share()`'s variable: where a fork server listens, and for which `PYTHON*` variables."""
+
+
+def _key(env: Mapping[str, str]) -> list[list[str]]:
+    return sorted([k, v] for k, v in env.items() if k.startswith("PYTHON"))
+
+
 def _server_for(env: Mapping[str, str]) -> ForkServer:
-    """The fork server for children with these `PYTHON*` variables (started on first use)."""
-    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith("PYTHON")))
+    """The fork server for children with these `PYTHON*` variables (started on first use, or
+    the one an ancestor shared for the same variables)."""
+    key = _key(env)
     with _servers_lock:
-        server = _servers.get(key)
+        server = _servers.get(json.dumps(key))
         if server is None or server.gone:
-            server = _servers[key] = ForkServer(env)
+            shared = json.loads(os.environ.get(SHARED) or "{}")
+            if shared.get("key") == key and os.path.exists(shared.get("socket", "")):
+                server = ForkServer(None, attach_to=shared["socket"])
+            else:
+                server = ForkServer(env)
+            _servers[json.dumps(key)] = server
         return server
+
+
+def share(env: Mapping[str, str]) -> None:
+    """Let this process's descendants (a notebook kernel that starts a lab, say) fork their
+    children from this process's fork server for `env`, instead of starting one of their own
+    (a second of imports each): its address goes into this process's environment, which they
+    inherit. Their children are still theirs: reported to them, and killed when they go."""
+    server = _server_for(env)
+    os.environ[SHARED] = json.dumps({"socket": server.socket_path, "key": _key(env)})
 
 
 @atexit.register
