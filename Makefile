@@ -15,6 +15,8 @@ PORT ?= 8888
 # `make test PYTEST_WORKERS=0` runs serially.
 PYTEST_WORKERS ?= 4
 PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+# `python3`: under `make test`, the tests' own kernel spec (tests/conftest.py), whose kernels are
+# forked from the fork server (sophos_lab/lab/kernels.py); elsewhere this venv's ipykernel.
 NBVAL_OPTIONS := --nbval-lax --nbval-kernel-name=python3 --nbval-cell-timeout=120 \
 	--nbval-kernel-startup-timeout=120 --nbval-sanitize-with tests/notebooks/sanitize.cfg
 # The lessons are committed without outputs; nbval runs on copies with the golden outputs of their
