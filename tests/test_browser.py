@@ -351,6 +351,8 @@ def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_pat
         resume = chat.get_by_role("button", name="Resume")
         expect(resume).to_be_visible()
         expect(chat.locator(".sx-status")).to_contain_text("the process that ran it is gone")
+        # The list counts the three saved messages shown below it, as the recovery to come will.
+        expect(chat.locator("select option:checked")).to_contain_text(" · running · 3 msgs")
         chat.scroll_into_view_if_needed()
         screenshot(chat, "chat-widget-before-resume.png", docs="chat-widget-crashed.png")
 

@@ -74,6 +74,8 @@ async def test_a_kill_while_the_answer_streams_resumes_at_the_agent_step(lab, re
         detail = await fresh.get_conversation(conversation)
         assert (detail.next, detail.resumable) == (("agent",), True)
         assert roles(detail) == ["user", "assistant", "tool"]  # the partial summary is gone
+        # The run recorded no outcome; the recovery that relabelled it counted its thread.
+        assert summary.message_count == detail.conversation.message_count == len(detail.messages) == 3
 
         resumed = await fresh.resume(conversation)
         end = await resumed.wait()
@@ -139,6 +141,9 @@ async def test_a_kill_right_after_started_keeps_the_message_and_the_resume_answe
         detail = await fresh.get_conversation(conversation)
         assert detail.resumable, (detail.next, detail.messages)
         assert [m["content"] for m in detail.messages if m["role"] == "user"][-1] == message
+        # The accepted message counts, as the conversation shows it (pending), in the listing too.
+        assert detail.conversation.message_count == len(detail.messages) == (3 if follow_up else 1)
+        assert [c.message_count for c in fresh.list_conversations()] == [len(detail.messages)]
         end = await (await fresh.resume(conversation)).wait()
         assert end.event == "end", end.data
         after = await fresh.get_conversation(conversation)

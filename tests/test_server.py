@@ -425,20 +425,26 @@ def test_a_server_killed_mid_answer_leaves_a_conversation_a_new_server_resumes(l
     second.follow(conversation)
     answered = second.wait_for("end")
     detail = second.request("GET", f"/api/conversations/{conversation}").json()
+    listed = second.request("GET", "/api/conversations").json()["conversations"]
     repeat = second.request("POST", "/api/chat", json={"message": SUMMARISE.format(url=lab.page("wal.html"))},
                             headers=key)
     second.resume(conversation)
     final = second.wait_final()
     after = second.request("GET", f"/api/conversations/{conversation}").json()
+    listed_after = second.request("GET", "/api/conversations?limit=10").json()["conversations"]
 
     assert answered == {"id": None, "event": "end",
                         "data": {"conversation": conversation, "run": started["run"], "status": "interrupted"}}
     assert (detail["resumable"], detail["next"], roles(detail)) == (True, ["agent"], ["user", "assistant", "tool"])
+    # The listing counts what the conversation shows: the recovery that relabelled the run counted it.
+    assert [(c["status"], c["messageCount"]) for c in listed] == [("interrupted", 3)]
+    assert detail["conversation"]["messageCount"] == len(detail["messages"]) == 3
     # the tokens a client saw were never saved
     assert shown and all(shown not in m["content"] for m in detail["messages"] if m["role"] == "assistant")
     assert repeat.json() == started  # the key outlived the process: no second run
     assert (final["event"], final["data"]["status"]) == ("end", "completed")
     assert roles(after) == ["user", "assistant", "tool", "assistant"]
+    assert [(c["status"], c["messageCount"]) for c in listed_after] == [("completed", 4)]
     assert after["messages"][-1]["content"].count("\n- ") == 11
     assert lab.fetches("wal.html") - fetches == 1  # the resume did not fetch again
     runs = second.request("GET", f"/api/conversations/{conversation}/runs").json()["runs"]

@@ -3,8 +3,10 @@
 The main test does what lesson 04 does with `curl`, as a person at the page: send a question,
 watch the answer stream, SIGKILL the server mid-answer, start a new one on the same port and
 database, reload, and press Resume in the banner that the reload shows. The other tests: Detach
-stops following while the run goes on, a failed run shows its error banner, model and tool
-text with markup in it is shown as text, and a server with a token works from `/?token=`.
+stops following while the run goes on, Cancel (a secondary button beside Send) stops the run and
+says so in the status line, a failed run shows its error banner, a payment waits at the approval
+card until Approve or Reject, model and tool text with markup in it is shown as text, and a
+server with a token works from `/?token=`.
 
 Everything is real: the server processes (`lab.server()`), the scripted model, the MCP servers,
 the SQLite file. Playwright's waits for selectors and text are the barriers; the scripted
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import CHROMIUM, CHROMIUM_ARGS, last_bullet, needs_chromium
 
+from sophos_lab.lab.harness import Lab
 from sophos_lab.lab.inspect import peek_runs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +33,9 @@ DOCS = ROOT / "docs"
 TIMEOUT_MS = 60_000
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 BANNER = "The last run stopped before it finished. Its progress is saved."
+PAY = "Please pay 30 to alice."
+COMMITTED = "/ledger-committed"
+"""Where the ledger server reports a committed payment, and waits for the answer (a lab may hold it)."""
 
 pytestmark = needs_chromium
 
@@ -114,6 +120,8 @@ def test_the_page_resumes_an_answer_whose_server_was_killed(lab, page, db_path):
         expect(banner).to_be_visible()
         expect(banner).to_contain_text(BANNER)
         expect(page.locator("#status")).to_have_text("Last run interrupted · 3 messages")
+        # The list counts what the conversation shows: recovery counted the dead run's thread.
+        expect(page.locator("#conversations .conversation-status")).to_have_text(["Last run interrupted · 3 messages"])
         # The tokens the page showed were never saved; the tool's result was.
         expect(page.locator("#transcript .msg.live")).to_have_count(0)
         assert all(shown not in text for text in page.locator("#transcript .msg.assistant").all_text_contents())
@@ -126,6 +134,7 @@ def test_the_page_resumes_an_answer_whose_server_was_killed(lab, page, db_path):
         expect(banner).to_be_hidden()
         expect(page.get_by_role("button", name="Send")).to_be_visible()
         expect(page.locator("#status")).to_have_text("Last run completed · 4 messages")
+        expect(page.locator("#conversations .conversation-status")).to_have_text(["Last run completed · 4 messages"])
         conversation = only_conversation(second)
         expect(page.get_by_role("link", name="Export (Markdown)")).to_have_attribute(
             "href", f"api/conversations/{conversation}/export?format=md")
@@ -172,14 +181,30 @@ def test_cancel_stops_the_run_on_the_server_and_offers_resume(lab, page, db_path
         send(page, f"Fetch {lab.page('wal.html')} and summarize it in 12 detailed bullet points.")
         expect(page.locator("#transcript .msg.assistant.live .text")).not_to_be_empty()
         lab.model.wait_paused()  # half-way through the summary
-        page.get_by_role("button", name="Cancel", exact=True).click()
+        cancel = page.get_by_role("button", name="Cancel", exact=True)
+        detach = page.get_by_role("button", name="Detach")
+        # A secondary button in the row of Send (now Detach), beside the text box, not a bar under it.
+        box, beside, text_box = cancel.bounding_box(), detach.bounding_box(), page.get_by_label("Message").bounding_box()
+        assert abs(box["y"] - beside["y"]) < 1 and box["height"] == beside["height"], (box, beside)
+        assert box["x"] >= beside["x"] + beside["width"] and box["x"] >= text_box["x"] + text_box["width"], (box, text_box)
+        assert box["width"] < 2 * beside["width"], (box, beside)
+        style = "button => [getComputedStyle(button).backgroundColor, getComputedStyle(button).color]"
+        assert cancel.evaluate(style) == detach.evaluate(style)  # Detach's look, not Send's filled one
+        screenshot(page, "web-page-running.png")
+        cancel.click()
 
-        error = page.get_by_role("alert")
-        expect(error.locator(".code")).to_have_text("CANCELLED")
-        expect(error).to_contain_text("Cancelled by user")
+        # Asked for, so not an error: the status line says so, and Resume is offered.
+        expect(page.locator("#status")).to_have_text("Cancelled. Resume to continue.")
+        expect(page.locator("#error-banner")).to_be_hidden()
         expect(page.locator("#resume-banner")).to_be_visible()  # the summary step is still to do
-        expect(page.get_by_role("button", name="Cancel", exact=True)).to_be_hidden()
+        expect(cancel).to_be_hidden()
+        expect(page.get_by_role("button", name="Send")).to_be_visible()
         lab.model.release()
+        page.reload()
+        expect(page.locator("#status")).to_have_text("Last run cancelled · 3 messages")
+        expect(page.locator("#conversations .conversation-status")).to_have_text(["Last run cancelled · 3 messages"])
+        expect(page.locator("#resume-banner")).to_be_visible()
+        expect(page.locator("#error-banner")).to_be_hidden()
         runs = list(peek_runs(db_path, only_conversation(server))["status"])
 
     assert runs == ["cancelled"]
@@ -201,6 +226,98 @@ def test_a_failed_run_shows_its_error_banner_live_and_after_a_reload(lab, page, 
         expect(page.locator("#resume-banner")).to_be_visible()  # the model call can be tried again
 
     assert code == "AGENT_FAILURE"
+
+
+@pytest.fixture
+def ledger_lab(request, lab_home):
+    """A lab of this test's own whose `mcp.json` has the ledger, whose payments need approval
+    (`config/extras/ledger.json`)."""
+    with Lab.setup(f"tests-page-{request.node.name}", quiet=True, fork_servers=True, extra_servers=("ledger",)) as lab:
+        yield lab
+
+
+def payments(lab) -> list[tuple[str, int]]:
+    return [tuple(row) for row in lab.ledger()[["to_account", "amount"]].itertuples(index=False)]
+
+
+def wait_at_the_gate(page, server) -> object:
+    """Send the payment; once the run stops at its gate, the approval card (checked)."""
+    from playwright.sync_api import expect
+
+    page.goto(server.url + "/")
+    send(page, PAY)
+    card = page.locator("#approval-card")
+    expect(card).to_be_visible()
+    expect(card).to_contain_text("Approval needed. The run holds these tool calls; none has run yet.")
+    expect(card.locator("li .call-name")).to_have_text(["ledger__record_payment"])
+    expect(card.locator("li .call-args")).to_have_text(['{"to":"alice","amount":30}'])
+    expect(page.locator("#status")).to_have_text("Last run waiting · 2 messages")
+    # While it waits: no new message (the server would refuse it), no Resume, nothing to cancel.
+    expect(page.get_by_role("button", name="Send")).to_be_disabled()
+    expect(page.locator("#resume-banner")).to_be_hidden()
+    expect(page.get_by_role("button", name="Cancel", exact=True)).to_be_hidden()
+    expect(page.locator("#error-banner")).to_be_hidden()
+    return card
+
+
+def test_a_payment_waits_at_the_approval_card_and_approve_follows_the_run_that_pays(ledger_lab, page, tmp_path):
+    from playwright.sync_api import expect
+
+    lab = ledger_lab
+    with lab.server(DATABASE_PATH=str(tmp_path / "sophos.db")) as server:
+        card = wait_at_the_gate(page, server)
+        conversation = only_conversation(server)
+        assert payments(lab) == []
+        page.reload()  # the card comes from durable state
+        expect(card.locator("li .call-args")).to_have_text(['{"to":"alice","amount":30}'])
+        screenshot(page, "web-page-approval.png")
+
+        lab.web.hold(COMMITTED)  # the payment is committed, its tool call not answered yet
+        card.get_by_role("button", name="Approve").click()
+        lab.web.wait_held()
+        # The page follows the run that carries the decision on, as after Resume.
+        expect(card).to_be_hidden()
+        expect(page.get_by_role("button", name="Detach")).to_be_visible()
+        expect(page.get_by_role("button", name="Cancel", exact=True)).to_be_visible()
+        expect(page.locator("#status")).to_have_text("Running…")
+        assert payments(lab) == [("alice", 30)]
+        lab.web.release()
+
+        answer = page.locator("#transcript .msg.assistant:not(.live)", has_text="Paid 30 to alice.")
+        expect(answer).to_be_visible()
+        expect(page.locator("#transcript .msg.tool summary")).to_have_text(["Tool result: ledger__record_payment"])
+        expect(page.locator("#status")).to_have_text("Last run completed · 4 messages")
+        expect(page.get_by_role("button", name="Send")).to_be_enabled()
+        expect(card).to_be_hidden()
+        expect(page.locator("#error-banner")).to_be_hidden()
+        runs = list(peek_runs(server.env["DATABASE_PATH"], conversation)["status"])
+
+    assert runs == ["waiting", "completed"]
+    assert payments(lab) == [("alice", 30)]
+
+
+def test_reject_with_a_reason_pays_nothing_and_the_model_reads_the_reason(ledger_lab, page, tmp_path):
+    from playwright.sync_api import expect
+
+    lab = ledger_lab
+    reason = "Alice was paid <b>yesterday</b>."
+    with lab.server(DATABASE_PATH=str(tmp_path / "sophos.db")) as server:
+        card = wait_at_the_gate(page, server)
+        page.get_by_label("Reason for rejecting").fill(reason)
+        card.get_by_role("button", name="Reject").click()
+
+        answer = page.locator("#transcript .msg.assistant:not(.live)", has_text="The payment to alice failed")
+        expect(answer).to_be_visible()
+        rejected = page.locator("#transcript .msg.tool")
+        expect(rejected.locator("summary")).to_have_text(["Tool result: ledger__record_payment (error)"])
+        expect(rejected.locator("pre")).to_contain_text(f"Reason: {reason}")  # as text, not markup
+        expect(page.locator("#status")).to_have_text("Last run completed · 4 messages")
+        expect(card).to_be_hidden()
+        expect(page.get_by_label("Reason for rejecting")).to_have_value("")
+        runs = list(peek_runs(server.env["DATABASE_PATH"], only_conversation(server))["status"])
+
+    assert runs == ["waiting", "completed"]
+    assert payments(lab) == []
 
 
 NO_MARKUP = """() => {

@@ -166,6 +166,12 @@ def test_a_killed_child_leaves_a_conversation_that_resume_finishes(lab, env):
         # ... but nothing runs it any more, so the widget offers Resume for the same conversation.
         assert vm.conversation_id == conversation and vm.detail.orphaned
         assert chat.resume_visible and kinds(chat) == ["user", "tool_call", "tool_result"]
+        # The list counts what the conversation shows (user, tool call, tool result), as the
+        # recovery that the next child's first open makes will write it; the file still holds
+        # what the run's row wrote (its one message).
+        assert [c.message_count for c in vm.conversations] == [len(vm.detail.messages)] == [3]
+        assert chat.conversation_list.label.endswith(" · running · 3 msgs")
+        assert list(views.conversations(env["DATABASE_PATH"])["message_count"]) == [1]
 
         chat.resume_button.click()  # starts a fresh child first
         assert chat.join(60)
@@ -174,6 +180,7 @@ def test_a_killed_child_leaves_a_conversation_that_resume_finishes(lab, env):
         assert kinds(chat) == ["user", "tool_call", "tool_result", "assistant"]
         assert vm.transcript[-1].text == vm.streamed_answer
         assert statuses(env["DATABASE_PATH"], conversation) == ["interrupted", "completed"]
+        assert [c.message_count for c in vm.conversations] == [4]
         assert lab.fetches("wal.html") == fetched_before + 1
         assert child.is_alive()
     finally:
@@ -198,6 +205,7 @@ def test_a_child_killed_right_after_started_offers_resume_and_answers_that_messa
         assert [(m.kind, m.text, m.status) for m in vm.transcript] == [("user", "hello, keep me", "pending")]
         assert "not answered yet" in chat.transcript.value
         assert chat.resume_visible
+        assert [c.message_count for c in vm.conversations] == [1]  # the message it accepted
 
         chat.resume_button.click()  # a fresh child (its first open relabels the dead run)
         assert chat.join(60)
@@ -228,15 +236,17 @@ def test_cancel_mid_answer_shows_cancelled_and_offers_resume(lab, env, where):
         lab.model.release()  # nobody reads that stream any more
 
         conversation = vm.conversation_id
-        assert (vm.error.code, vm.error.message) == ("CANCELLED", "Cancelled by user")
-        assert "CANCELLED" in chat.banner.value
+        # Asked for, so not an error: no banner; the status line says it, and Resume is offered.
+        assert vm.error is None and chat.banner.value == ""
+        assert vm.status == "The last run was cancelled. Its progress is saved: Resume continues with `agent`."
+        assert "was cancelled" in chat.status.value
         assert chat.resume_visible and not chat.cancel_visible and not chat.send_button.disabled
         assert kinds(chat) == ["user"]  # the half-streamed answer was never saved
         assert statuses(env["DATABASE_PATH"], conversation) == ["cancelled"]
 
-        # Read again from durable state: the recorded outcome keeps the banner, and Resume.
+        # Read again from durable state: the same status line, no banner, and Resume.
         chat.reload_button.click()
-        assert vm.error.code == "CANCELLED" and chat.resume_visible
+        assert vm.error is None and chat.banner.value == "" and chat.resume_visible
         assert "was cancelled" in vm.status and "`agent`" in vm.status
         assert not vm.cancel()  # nothing runs here
     finally:

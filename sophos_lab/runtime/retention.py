@@ -348,7 +348,7 @@ def prune_conversation(conn: sqlite3.Connection, path: str | Path, conversation_
     gone = recoverable_runs(conn, conversation_id, me, "prune")
     with read_only(path) as reader:
         plan = plan_prune(reader, conversation_id, keep)
-    relabel_interrupted(conn, gone)
+    relabel_interrupted(conn, gone, path)
     return apply_prune(conn, plan)
 
 

@@ -40,6 +40,7 @@ from .agent import (
     AGENT_NODES, APPROVE, ATTEMPT_WATCH, CARRIED_DECISIONS, REJECT, AgentParts, AttemptWatch, build_graph, chat_model, check_config, classify_failure,
     read_system_prompt,
 )
+from .counting import shown_count
 from .checkpointer import DurableWrite, NotifyingSaver, WriteObserver, is_fenced, shared_lock
 from .errors import SophosError
 from .events import DurableGate, Event, StreamTranslator
@@ -978,7 +979,9 @@ class AgentService:
             state = await graph.aget_state(thread_config(conversation_id))
         except (Exception, asyncio.CancelledError):  # a late shutdown cancel must not skip the record
             return None
-        return len(message_dtos(state.values.get("messages", [])))
+        # What get_conversation will show (see `counting`): an accepted message a cancel kept
+        # out of the thread counts too.
+        return shown_count(state.values.get("messages", []), self._pending_input(conversation_id, state.metadata))
 
     # retention (see `retention`): only this SQLite file; the memory server's file is never touched
 

@@ -505,11 +505,20 @@ UPDATE runs SET
 WHERE status = 'running'"""
 
 
-def relabel_interrupted(conn: sqlite3.Connection, run_ids: list[str]) -> int:
+def relabel_interrupted(conn: sqlite3.Connection, run_ids: list[str], path: str | Path | None = None) -> int:
     """Mark these runs `interrupted` (`cancelled` if a cancel was accepted) if they are still
-    `running`; how many were."""
+    `running`; how many were.
+
+    With `path` (the file `conn` is open on; call it inside a transaction), the conversation of
+    each run relabelled gets its `message_count` from its thread, in the same transaction: the
+    run recorded no outcome, so the column still held what its row wrote (see `counting`)."""
     now = utc_now()
-    return sum(conn.execute(_RELABEL + " AND id = ?", (now, run_id)).rowcount for run_id in run_ids)
+    relabelled = [run_id for run_id in run_ids if conn.execute(_RELABEL + " AND id = ?", (now, run_id)).rowcount]
+    if path is not None and relabelled:
+        from .counting import recount
+
+        recount(conn, path, relabelled)
+    return len(relabelled)
 
 
 def forget_gone_owners(conn: sqlite3.Connection, me: Owner) -> None:
@@ -525,10 +534,11 @@ def forget_gone_owners(conn: sqlite3.Connection, me: Owner) -> None:
     conn.executemany("DELETE FROM owners WHERE id = ?", [(owner_id,) for owner_id in gone])
 
 
-def recover_interrupted_runs(conn: sqlite3.Connection) -> int:
+def recover_interrupted_runs(conn: sqlite3.Connection, path: str | Path | None = None) -> int:
     """The original's recovery: relabel every `running` row `interrupted` (or `cancelled`, see
-    `_RELABEL`); how many."""
-    return conn.execute(_RELABEL, (utc_now(),)).rowcount
+    `_RELABEL`); how many. `path` as for `relabel_interrupted`."""
+    running = [row[0] for row in conn.execute("SELECT id FROM runs WHERE status = 'running'")]
+    return relabel_interrupted(conn, running, path)
 
 
 class Store:
@@ -634,7 +644,8 @@ class Store:
         self._register(self.owner)
         with full_disk_refused(self.path):
             if self.single_owner:
-                self.recovered_runs = recover_interrupted_runs(conn)
+                with self.transaction():
+                    self.recovered_runs = recover_interrupted_runs(conn, self.path)
             else:
                 self.recovered_runs = self._relabel_stale(None)
                 forget_gone_owners(conn, self.owner)  # those that died holding no run
@@ -677,7 +688,7 @@ class Store:
             if not stale_runs(conn, self.owner, conversation_id):
                 return 0
             with self.transaction():
-                count = relabel_interrupted(conn, stale_runs(conn, self.owner, conversation_id))
+                count = relabel_interrupted(conn, stale_runs(conn, self.owner, conversation_id), self.path)
                 forget_gone_owners(conn, self.owner)
             return count
 
@@ -688,7 +699,7 @@ class Store:
         if not run_ids:
             return 0
         with self.transaction() as conn:
-            return relabel_interrupted(conn, run_ids)
+            return relabel_interrupted(conn, run_ids, self.path)
 
     def renew_lease(self, run_ids: list[str]) -> set[str]:
         """Extend this owner's lease; the ids among `run_ids` it no longer owns (taken over)."""
@@ -755,8 +766,9 @@ class Store:
         decision: tuple[Gate, dict[str, dict]] | None = None,
     ) -> None:
         """Start a run, in one transaction: the conversation (when `title` is given, it is new),
-        this owner's lease, the `running` row with the messages it carries, `updated_at`, the
-        request's idempotency key if it has one, and the decisions on a gate if it carries some.
+        this owner's lease, the `running` row with the messages it carries, `updated_at` and the
+        message count (with those messages), the request's idempotency key if it has one, and the
+        decisions on a gate if it carries some.
 
         A `running` run of a live owner on the conversation makes the database refuse the row
         (`SESSION_IN_PROGRESS`); one of a gone owner is relabelled `interrupted` first. A key
@@ -780,7 +792,10 @@ class Store:
                 (run_id, conversation_id, now, self.owner.id,
                  json.dumps(input_messages, ensure_ascii=False) if input_messages else None),
             ),
-            ("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id)),
+            # The messages it carries count from now on, as the conversation shows them (pending
+            # until they reach the thread; see `counting`): the count before is true, recovered above.
+            ("UPDATE conversations SET updated_at = ?, message_count = message_count + ? WHERE id = ?",
+             (now, len(input_messages or ()), conversation_id)),
         ]
         if idempotency is not None:
             statements.append((

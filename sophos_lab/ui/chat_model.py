@@ -137,9 +137,14 @@ class ChatBackend(Protocol):
     def close(self) -> None: ...
 
 
+CANCELLED = "CANCELLED"
+"""A cancel someone chose: told in the status line, not as an error."""
+
+
 def recorded_error(status: str | None, code: str | None, message: str | None) -> ErrorBanner | None:
-    """The banner for a run's recorded outcome: only failed, interrupted or cancelled runs with a code."""
-    if status in ("failed", "interrupted", "cancelled") and code:
+    """The banner for a run's recorded outcome: only failed or interrupted runs with a code (a
+    `cancelled` run was stopped on purpose: the status line says so, see `describe`)."""
+    if status in ("failed", "interrupted") and code:
         return ErrorBanner(code, message or "")
     return None
 
@@ -313,7 +318,8 @@ class ChatViewModel:
 
     def cancel(self) -> bool:
         """Ask the backend to cancel the run in progress. The turn then ends with the run's own
-        final event (a `CANCELLED` banner; what the run saved before stays, so Resume is offered).
+        final event (`CANCELLED`: no error banner, the status line says the run was cancelled;
+        what the run saved before stays, so Resume is offered).
         False when no run has started here or a cancel was asked already."""
         with self._lock:
             if not self.can_cancel or self.conversation_id is None:
@@ -531,6 +537,8 @@ class ChatViewModel:
 def _final_error(final: EventDict) -> ErrorBanner | None:
     """The banner a final event calls for (None for `end`)."""
     name, data = final["event"], final.get("data") or {}
+    if name == "chat-error" and data.get("code") == CANCELLED:
+        return None  # asked for: the status line tells it (`describe`), with Resume when there is work left
     if name in ("chat-error", "rejected"):
         return ErrorBanner(data.get("code", WIDGET_ERROR), data.get("message", ""))
     if name == "process-exited":
@@ -651,15 +659,39 @@ class ChildBackend:
         self.db_path = Path(child.env["DATABASE_PATH"])
         self.poll = poll
         """How often (s) to check that the child is alive while no event arrives."""
+        self._stranded_counts: dict[str, int] = {}
+        """orphaned run id → its conversation's message count (its thread cannot change)."""
 
     def conversations(self) -> list[ConversationSummary]:
+        """The list, from the read-only views. A conversation whose latest run is orphaned (its
+        process is gone; nobody has recovered the file yet) is counted as recovery will count
+        it, from its thread (`runtime.counting`), once per run: the column still holds the count
+        of the run before it."""
         from ..lab import inspect as views
 
-        latest = {run.conversation_id: run.status for run in views.peek_runs(self.db_path).itertuples()}
-        return [
-            ConversationSummary(row.id, row.title, latest.get(row.id), int(row.message_count))
-            for row in views.conversations(self.db_path).itertuples()
-        ]
+        latest = {run.conversation_id: (run.id, run.status) for run in views.peek_runs(self.db_path).itertuples()}
+        live = None
+        listed = []
+        for row in views.conversations(self.db_path).itertuples():
+            run_id, status = latest.get(row.id, (None, None))
+            count = int(row.message_count)
+            if status == "running":
+                live = self._live_runs() if live is None else live
+                if run_id not in live:
+                    count = self._stranded_count(row.id, run_id, count)
+            listed.append(ConversationSummary(row.id, row.title, status, count))
+        return listed
+
+    def _stranded_count(self, conversation_id: str, run_id: str, recorded: int) -> int:
+        from ..runtime.counting import shown_message_count
+
+        if run_id not in self._stranded_counts:
+            try:
+                counted = shown_message_count(self.db_path, conversation_id)
+            except Exception:  # the list must show, whatever the thread holds
+                counted = None
+            self._stranded_counts[run_id] = recorded if counted is None else counted
+        return self._stranded_counts[run_id]
 
     def detail(self, conversation_id: str) -> ThreadDetail:
         from ..lab import inspect as views

@@ -4,9 +4,10 @@
     chat = ChatWidget.for_child(lab.kernel()) # the agent in a child kernel you can kill
     chat                                      # shows it; chat.join() waits for the turn
 
-While a run is active a Cancel button shows; when a run stops at an approval gate, an approval
-card lists the tool calls it holds (name and JSON arguments) with Approve and Reject (and an
-optional reason the model reads).
+While a run is active a Cancel button shows (a cancelled run is told in the status line, with
+Resume, not in the error banner: it was asked for); when a run stops at an approval gate, an
+approval card lists the tool calls it holds (name and JSON arguments) with Approve and Reject
+(and an optional reason the model reads).
 
 The agent's turn runs on a worker thread, never on the kernel's event loop, so the widget keeps
 streaming after the cell has finished (ipykernel 7). The transcript is re-rendered only at step

@@ -7,6 +7,13 @@
  * `chat-error`) the stream is closed and the page reloads everything from durable state: what
  * was only streamed (tokens of an unfinished step, reasoning) is gone then, as it is from disk.
  *
+ * A run that stops at an approval gate (`end` with status `waiting`) leaves the conversation
+ * with an `approval`: the approval card lists the calls it holds (tool and arguments), and its
+ * Approve and Reject (with an optional reason) post /approve or /reject for that gate, then
+ * follow the run that carries the decision on, as Resume does.
+ *
+ * A cancel the person asked for is told in the status line, not as an error.
+ *
  * Every model and tool text is written with textContent, never as markup.
  *
  * With a server token, open the page once as /?token=<token>: it keeps the token in
@@ -24,11 +31,16 @@ const ui = {
   error: byId("error-banner"), resumeBanner: byId("resume-banner"), resume: byId("resume"),
   transcript: byId("transcript"), form: byId("composer"), message: byId("message"),
   send: byId("send"), detach: byId("detach"), cancel: byId("cancel"),
+  approvalCard: byId("approval-card"), approvalCalls: byId("approval-calls"),
+  rejectReason: byId("reject-reason"), approve: byId("approve"), reject: byId("reject"),
 };
+
+const CANCELLED = "CANCELLED"; // a cancel someone asked for: a status, not an error
 
 let conversation = null; // the open conversation's id; null before the first message of a new one
 let source = null;       // the EventSource following its run, while the page follows one
 let live = null;         // the assistant bubble the next token goes to
+let approval = null;     // the gate the open conversation waits at ({gate, run, calls}), else null
 
 const token = takeToken();
 
@@ -147,6 +159,24 @@ function showConversation(detail) {
   clearError();
   if (summary.status === "failed" && summary.error) showError(summary.error.code, summary.error.message);
   ui.resumeBanner.hidden = !detail.resumable;
+  showApproval(detail.approval ?? null);
+}
+
+function showApproval(gate) {
+  approval = gate;
+  ui.approvalCalls.replaceChildren(...(gate?.calls ?? []).map((call) => {
+    const item = element("li");
+    item.append(element("code", "call-name", call.name), element("code", "call-args", JSON.stringify(call.args ?? {})));
+    return item;
+  }));
+  ui.approvalCard.hidden = gate === null;
+  // The server refuses a new message while a gate waits (RUN_WAITING): decide first.
+  ui.send.disabled = gate !== null;
+  ui.send.title = gate === null ? "" : "The run waits for your decision on its tool calls: Approve or Reject first";
+}
+
+function showCancelled() {
+  ui.status.textContent = ui.resumeBanner.hidden ? "Cancelled." : "Cancelled. Resume to continue.";
 }
 
 function markCurrent() {
@@ -178,6 +208,7 @@ async function loadList() {
 async function openConversation(id, { attach = false } = {}) {
   stopFollowing();
   conversation = id;
+  showApproval(null); // until the conversation says otherwise
   markCurrent();
   const detail = await api(`api/conversations/${id}`);
   if (conversation !== id) return; // another one was opened meanwhile
@@ -256,6 +287,7 @@ function setFollowing(following) {
   ui.send.hidden = following;
   ui.detach.hidden = !following;
   ui.cancel.hidden = !following;
+  ui.cancel.disabled = false;
   ui.resume.disabled = following;
   if (hadFocus) (following ? ui.detach : ui.send).focus();
 }
@@ -274,7 +306,11 @@ async function finish(id, error) {
   } catch (failure) {
     reportError(failure);
   }
-  if (error) showError(error.code, error.message);
+  if (error?.code === CANCELLED) {
+    if (conversation === id) showCancelled();
+  } else if (error) {
+    showError(error.code, error.message);
+  }
 }
 
 // --- what a person does --------------------------------------------------------------------------
@@ -282,7 +318,7 @@ async function finish(id, error) {
 ui.form.addEventListener("submit", async (event) => {
   event.preventDefault();
   const message = ui.message.value;
-  if (source || !message.trim()) return; // while following a run the button is Detach
+  if (source || approval || !message.trim()) return; // while following a run the button is Detach
   clearError();
   ui.send.disabled = true;
   try {
@@ -300,7 +336,7 @@ ui.form.addEventListener("submit", async (event) => {
   } catch (error) {
     reportError(error);
   } finally {
-    ui.send.disabled = false;
+    ui.send.disabled = approval !== null;
   }
 });
 
@@ -339,12 +375,44 @@ ui.cancel.addEventListener("click", async () => {
   // The run's own stream then ends with its final event (chat-error CANCELLED, or end if it
   // finished first), and finish() reloads the conversation from the database.
   clearError();
+  ui.cancel.disabled = true; // asked once
+  ui.status.textContent = "Cancelling…";
   try {
     await api(`api/conversations/${conversation}/cancel`, { method: "POST" });
   } catch (error) {
+    ui.cancel.disabled = false;
     reportError(error);
   }
 });
+
+async function decide(kind) {
+  // Names the gate, so that a retry answers for this one (the same decision again is a no-op
+  // that answers with the run it started); then follows that run, as Resume does.
+  const id = conversation;
+  const gate = approval;
+  if (!id || !gate || source) return;
+  const body = { gate: gate.gate };
+  const reason = ui.rejectReason.value.trim();
+  if (kind === "reject" && reason) body.reason = reason;
+  clearError();
+  ui.approve.disabled = ui.reject.disabled = true;
+  try {
+    await api(`api/conversations/${id}/${kind}`, { method: "POST", body: JSON.stringify(body) });
+    ui.rejectReason.value = "";
+    showApproval(null);
+    ui.message.focus();
+    follow(id);
+  } catch (error) {
+    // Decided meanwhile (GATE_DECIDED), nothing waits any more, …: show what is saved now.
+    await openConversation(id).catch(() => {});
+    reportError(error);
+  } finally {
+    ui.approve.disabled = ui.reject.disabled = false;
+  }
+}
+
+ui.approve.addEventListener("click", () => decide("approve"));
+ui.reject.addEventListener("click", () => decide("reject"));
 
 ui.newConversation.addEventListener("click", () => {
   stopFollowing();
@@ -354,6 +422,7 @@ ui.newConversation.addEventListener("click", () => {
   ui.status.textContent = "";
   ui.exportLink.hidden = true;
   ui.resumeBanner.hidden = true;
+  showApproval(null);
   ui.transcript.replaceChildren();
   clearError();
   ui.message.focus();
