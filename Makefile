@@ -25,12 +25,14 @@ NBVAL_COPIES := .lab/nbval
 
 .PHONY: setup lab test test-fast test-unit test-notebooks record-golden bench benchmark reset clean
 
-setup: $(VENV)/.installed node_modules/.installed .tools/fetch/.installed
+# The three installs are independent: side by side (-j3), set-up takes about as long as the
+# largest, the kit's venv.
+setup:
+	@$(MAKE) -s --no-print-directory -j3 $(VENV)/.installed node_modules/.installed .tools/fetch/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	# jupyter-events asks for jsonschema[format-nongpl], which brings rfc3987-syntax; importing it
 	# builds a grammar (1.3-2.4 s) in every process that imports the MCP client, so in every agent
 	# child. Nothing needs it: jsonschema skips the IRI format checks without it.
