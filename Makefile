@@ -32,13 +32,7 @@ setup:
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	# --no-compile: pip would byte-compile every installed file (about 40 s of the install); the
-	# import below compiles what the lab, the tests and the lessons import, once, before the
-	# parallel tests would each compile it.
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-compile -e '.[test]'
-	$(BIN)/python -c "import sophos_lab.lab.worker as w; w.load_runtime(); import sophos_lab.lab.harness, \
-	  sophos_lab.lab.kernels, sophos_lab.server.app, sophos_lab.ui.widgets, ipykernel.kernelapp, \
-	  nbclient, nbval.plugin, papermill, pytest, xdist, hypothesis, psutil, matplotlib.pyplot, mcp_server_fetch.server"
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	# jupyter-events asks for jsonschema[format-nongpl], which brings rfc3987-syntax; importing it
 	# builds a grammar (1.3-2.4 s) in every process that imports the MCP client, so in every agent
 	# child. Nothing needs it: jsonschema skips the IRI format checks without it.
