@@ -50,14 +50,11 @@ class ForkedProvisioner(LocalProvisioner):  # type: ignore[misc]
         return self.connection_info
 
 
-def kernel_spec(display_name: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def kernel_spec(display_name: str) -> dict[str, Any]:
     """A kernel.json for this interpreter's ipykernel, forked by `ForkedProvisioner`."""
-    spec: dict[str, Any] = {
+    return {
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": display_name,
         "language": "python",
         "metadata": {"debugger": True, "kernel_provisioner": {"provisioner_name": PROVISIONER_NAME}},
     }
-    if env:
-        spec["env"] = env
-    return spec
