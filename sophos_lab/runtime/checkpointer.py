@@ -84,40 +84,31 @@ _LOCKS: weakref.WeakValueDictionary[tuple[int, str], asyncio.Lock] = weakref.Wea
 
 
 def shared_lock(path: str | Path) -> asyncio.Lock:
-    """One lock per database file and event loop, for every saver and app write on that loop.
+    """One lock per database (a file's path, or a URL) and event loop, for every saver and app write on that loop.
 
     A saver holds its lock from its INSERT to its commit and needs the loop in between; a
     synchronous app write that waited on SQLite's lock meanwhile would block that very loop.
     Sharing the lock keeps that true with several services on one loop.
     """
-    key = (id(asyncio.get_running_loop()), str(Path(path).resolve()))
+    where = path if isinstance(path, str) and "://" in path else str(Path(path).resolve())
+    key = (id(asyncio.get_running_loop()), where)
     lock = _LOCKS.get(key)
     if lock is None:
         lock = _LOCKS[key] = asyncio.Lock()
     return lock
 
 
-class NotifyingSaver(AsyncSqliteSaver):
-    """An AsyncSqliteSaver that reports each committed checkpoint to its thread's listener."""
+class Notifying:
+    """What both backends' savers add to LangGraph's: each commit observed, then told to its
+    thread's listener (see the module). Mixed in before the saver class it extends."""
 
-    def __init__(self, conn: Any, lock: asyncio.Lock | None = None, **kwargs: Any) -> None:
-        super().__init__(conn, **kwargs)
+    def _notifying(self, lock: asyncio.Lock | None) -> None:
         if lock is not None:
             self.lock = lock
         self.listeners: dict[str, Callable[[dict[str, Any]], None]] = {}
         """thread id → called with a checkpoint's metadata once it is committed."""
         self.on_write: WriteObserver | None = None
         """Called with each commit, before the thread's listener (see `DurableWrite`)."""
-
-    async def fence(self, owner_id: str) -> None:
-        """From now on, write only threads whose `running` run `owner_id` holds.
-
-        TEMP triggers live on this connection alone: other processes and readers are untouched.
-        """
-        await self.setup()
-        for table in ("checkpoints", "writes"):
-            await self.conn.execute(_FENCE.format(table=table, owner=_quote(owner_id), fenced=FENCED))
-        await self.conn.commit()
 
     async def aput(self, config, checkpoint, metadata, new_versions):
         write = asyncio.ensure_future(super().aput(config, checkpoint, metadata, new_versions))
@@ -154,6 +145,24 @@ class NotifyingSaver(AsyncSqliteSaver):
         listener = self.listeners.get(str(config["configurable"]["thread_id"]))
         if listener is not None:
             listener(metadata)
+
+
+class NotifyingSaver(Notifying, AsyncSqliteSaver):
+    """An AsyncSqliteSaver that reports each committed checkpoint to its thread's listener."""
+
+    def __init__(self, conn: Any, lock: asyncio.Lock | None = None, **kwargs: Any) -> None:
+        super().__init__(conn, **kwargs)
+        self._notifying(lock)
+
+    async def fence(self, owner_id: str) -> None:
+        """From now on, write only threads whose `running` run `owner_id` holds.
+
+        TEMP triggers live on this connection alone: other processes and readers are untouched.
+        """
+        await self.setup()
+        for table in ("checkpoints", "writes"):
+            await self.conn.execute(_FENCE.format(table=table, owner=_quote(owner_id), fenced=FENCED))
+        await self.conn.commit()
 
 
 def is_fenced(error: BaseException) -> bool:

@@ -266,16 +266,27 @@ class ActiveRun:
         return event  # events() stops right after the final event
 
 
+def open_store(settings: Settings) -> Store:
+    """The application tables where the settings put them: the SQLite file, or PostgreSQL
+    (`DATABASE_URL`; `postgres.PostgresStore` has `Store`'s interface). Nothing is opened yet."""
+    if not settings.database_url:
+        return Store(settings.database_path, lease_seconds=settings.lease_seconds, single_owner=settings.single_owner)
+    from .postgres import PostgresStore, is_postgres_url
+
+    if not is_postgres_url(settings.database_url):
+        raise SophosError(errors.CONFIG_ERROR, (
+            "DATABASE_URL must be a postgresql:// (or postgres://) URL; unset it to use the SQLite file "
+            "at DATABASE_PATH."))
+    return PostgresStore(settings.database_url, lease_seconds=settings.lease_seconds,
+                         single_owner=settings.single_owner)
+
+
 class AgentService:
     """The durable agent of one process: conversations, runs and their events."""
 
     def __init__(self, settings: Settings | None = None, log_dir: Path | None = None) -> None:
         self.settings = settings or Settings.from_env()
-        self.store = Store(
-            self.settings.database_path,
-            lease_seconds=self.settings.lease_seconds,
-            single_owner=self.settings.single_owner,
-        )
+        self.store = open_store(self.settings)
         self.tools = McpTools(self.settings, log_dir=log_dir)
         self.active: dict[str, ActiveRun] = {}
         self.accepting = True
@@ -719,16 +730,23 @@ class AgentService:
         return self._graph
 
     async def _build_graph(self) -> None:
-        import aiosqlite
-
         self.store.conn  # noqa: B018 - the first open runs migrations and recovery
-        conn = await aiosqlite.connect(self.settings.database_path)
-        await conn.execute("PRAGMA busy_timeout = 5000")
-        saver = NotifyingSaver(conn, lock=shared_lock(self.settings.database_path))
+        lock = shared_lock(self.settings.database)
+        owner = None if self.settings.single_owner else self.store.owner.id
+        if self.settings.database_url:
+            from . import postgres
+
+            conn, saver = await postgres.open_saver(self.settings.database_url, owner, lock)
+        else:
+            import aiosqlite
+
+            conn = await aiosqlite.connect(self.settings.database_path)
+            await conn.execute("PRAGMA busy_timeout = 5000")
+            saver = NotifyingSaver(conn, lock=lock)
+            await saver.setup()
+            if owner is not None:
+                await saver.fence(owner)
         saver.on_write = self._observe
-        await saver.setup()
-        if not self.settings.single_owner:
-            await saver.fence(self.store.owner.id)
         model = chat_model(self.settings)  # once: building a client costs ~20 ms (its TLS context)
         parts = AgentParts(
             model=lambda: model,
@@ -994,6 +1012,7 @@ class AgentService:
         """
         conversation_id = parse_conversation_id(conversation)
         self._check_idle(conversation_id)
+        self._require_sqlite()
         path = self.settings.database_path
         # Read-only first: a refusal (unknown, running) writes nothing, not even an owner row.
         with retention.read_only(path) as conn:
@@ -1018,6 +1037,7 @@ class AgentService:
         conversation_id = parse_conversation_id(conversation)
         keep = retention.parse_keep(keep)
         self._check_idle(conversation_id)
+        self._require_sqlite()
         path = self.settings.database_path
         with retention.read_only(path) as conn:
             retention.require_conversation(conn, conversation_id)
@@ -1037,8 +1057,15 @@ class AgentService:
 
     def _require_file(self) -> None:
         """Retention on a file that does not exist is refused, and does not create it."""
+        self._require_sqlite()
         if not self.store.is_open and not self.settings.database_path.exists():
             raise SophosError(errors.NOT_FOUND, f"No database at {self.settings.database_path}")
+
+    def _require_sqlite(self) -> None:
+        if self.settings.database_url:
+            raise SophosError(errors.CONFIG_ERROR, (
+                "Delete, prune and vacuum work on the SQLite file only, not yet on PostgreSQL "
+                "(DATABASE_URL is set); nothing was changed."))
 
     def _retention_owner(self) -> Owner | None:
         """Who judges whether a run's owner is gone: this store (a fresh identity before it is

@@ -38,6 +38,9 @@ class Settings:
     ollama_host: str = DEFAULT_OLLAMA_HOST
     ollama_model: str = DEFAULT_OLLAMA_MODEL
     database_path: Path = Path(DEFAULT_DATABASE_PATH)
+    database_url: str | None = None
+    """`DATABASE_URL`: a `postgresql://` URL puts the tables and the checkpoints on PostgreSQL
+    (see `postgres`) instead of the file at `database_path`; unset, the file."""
     config_dir: Path = Path(DEFAULT_CONFIG_DIR)
     memory_file_path: Path = Path(DEFAULT_MEMORY_FILE_PATH)
     recursion_limit: int = DEFAULT_RECURSION_LIMIT
@@ -80,6 +83,7 @@ class Settings:
             ollama_host=get("OLLAMA_HOST", DEFAULT_OLLAMA_HOST),
             ollama_model=get("OLLAMA_MODEL", DEFAULT_OLLAMA_MODEL),
             database_path=_absolute(get("DATABASE_PATH", DEFAULT_DATABASE_PATH)),
+            database_url=env.get("DATABASE_URL") or None,
             config_dir=_absolute(get("CONFIG_DIR", DEFAULT_CONFIG_DIR)),
             memory_file_path=_absolute(get("MEMORY_FILE_PATH", DEFAULT_MEMORY_FILE_PATH)),
             ollama_think=(env.get("OLLAMA_THINK") or "").strip().lower() == "true",
@@ -108,6 +112,11 @@ class Settings:
         """The wait before retry `retry` (1 for the first): min(base * 2^(retry-1), max), without
         jitter. With base 1 and max 30: 1, 2, 4, 8, 16, 30, 30..."""
         return min(self.retry_base_seconds * 2 ** (retry - 1), self.retry_max_seconds)
+
+    @property
+    def database(self) -> str:
+        """Where the data is, as one string: the URL, or the file's path."""
+        return self.database_url or str(self.database_path)
 
     @property
     def system_prompt_path(self) -> Path:

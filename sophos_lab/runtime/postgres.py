@@ -1,0 +1,589 @@
+"""The second backend: everything the SQLite file holds, on PostgreSQL (`DATABASE_URL`).
+
+The application's tables get the same rows and rules as `store` gives them in SQLite; the
+checkpoints go through LangGraph's own `AsyncPostgresSaver`. What differs, and why:
+
+- **Migrations once.** Every process that opens the database takes one session-level advisory
+  lock, then applies LangGraph's saver migrations and the kit's (`sophos_migrations`, one row per
+  version) and lets go: processes that start together migrate one after the other, and only the
+  first one finds anything to do.
+- **Leases on the database's clock.** `owners.lease_expires_at` is `now()` plus the lease, and
+  is read against `now()`: hosts whose clocks disagree still agree on who is gone. On one host
+  and boot, as in SQLite, a dead pid is gone at once.
+- **The fence, in the saver's own transaction.** Each connection of this process's saver pool
+  carries its owner in a session setting (`sophos.owner_id`); a trigger on LangGraph's three
+  tables refuses a row for a thread whose `running` run that owner does not hold, and locks
+  that run's row (`FOR SHARE`) until the insert commits, so a takeover waits for a write that
+  got in first and refuses every one after. A connection without the setting (a read-only view,
+  a plain saver) is not fenced, as a connection without SQLite's TEMP triggers is not.
+- **One transaction per saver write.** The saver pipelines an autocommit connection, which
+  commits each statement of a write on its own: a task's pending writes could be cut in half.
+  Here every checkpoint and every task's writes is one transaction (the library's own
+  no-pipeline path).
+- **Insertion order** is an identity column (`seq`) where SQLite reads `rowid`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row, tuple_row
+
+from .checkpointer import FENCED, Notifying
+from .errors import (CANCELLED, CONFIG_ERROR, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW,
+                     SESSION_IN_PROGRESS, STORAGE_FULL, SophosError)
+from .ownership import Owner, owner_gone
+from .store import (PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, ListingPosition,
+                    Run, encode_cursor, title_from_message, unapplied_input, utc_now)
+
+log = logging.getLogger(__name__)
+
+MIGRATION_LOCK = 0x50F05_1AB
+"""The advisory lock every process holds while it migrates (any bigint no one else uses)."""
+
+MIGRATIONS: tuple[str, ...] = (
+    # v1: the tables of SQLite's seven versions, as they are at the last one.
+    """
+    CREATE TABLE conversations (
+        id TEXT PRIMARY KEY,
+        seq BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
+        title TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        updated_at TEXT NOT NULL,
+        message_count INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX conversations_by_recency ON conversations (updated_at, seq);
+    CREATE TABLE owners (
+        id TEXT PRIMARY KEY,
+        host TEXT NOT NULL,
+        boot_id TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        pid_started TEXT NOT NULL,
+        opened_at TEXT NOT NULL,
+        lease_expires_at TIMESTAMPTZ NOT NULL,
+        lease_expires_monotonic DOUBLE PRECISION NOT NULL
+    );
+    CREATE TABLE runs (
+        id TEXT PRIMARY KEY,
+        seq BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        status TEXT NOT NULL
+            CHECK (status IN ('running', 'interrupted', 'completed', 'failed', 'cancelled', 'waiting')),
+        error_code TEXT,
+        error_message TEXT,
+        started_at TEXT NOT NULL,
+        finished_at TEXT,
+        owner_id TEXT,
+        input TEXT,
+        cancel_requested_at TEXT
+    );
+    CREATE INDEX runs_by_conversation ON runs (conversation_id, seq);
+    CREATE UNIQUE INDEX one_running_run_per_conversation ON runs (conversation_id)
+        WHERE status = 'running';
+    CREATE TABLE prunes (
+        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        pruned_at TEXT NOT NULL,
+        checkpoints INTEGER NOT NULL,
+        writes INTEGER NOT NULL,
+        bytes BIGINT NOT NULL,
+        first_step INTEGER,
+        last_step INTEGER,
+        kept_from TEXT NOT NULL
+    );
+    CREATE INDEX prunes_by_conversation ON prunes (conversation_id, id);
+    CREATE TABLE idempotency_keys (
+        key TEXT PRIMARY KEY,
+        request TEXT NOT NULL,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        run_id TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+        created_at TEXT NOT NULL
+    );
+    CREATE INDEX idempotency_keys_by_run ON idempotency_keys (run_id);
+    CREATE INDEX idempotency_keys_by_conversation ON idempotency_keys (conversation_id);
+    CREATE TABLE gates (
+        id TEXT NOT NULL,
+        seq BIGINT GENERATED ALWAYS AS IDENTITY UNIQUE,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        run_id TEXT NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+        calls TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        decisions TEXT,
+        decided_at TEXT,
+        decided_run_id TEXT REFERENCES runs(id) ON DELETE SET NULL,
+        PRIMARY KEY (conversation_id, id)
+    );
+    CREATE INDEX gates_by_run ON gates (run_id);
+    CREATE INDEX gates_by_decided_run ON gates (decided_run_id);
+    """,
+    # v2: the fence on LangGraph's tables (their saver's migrations ran before these).
+    f"""
+    CREATE FUNCTION sophos_fence() RETURNS trigger LANGUAGE plpgsql AS $$
+    DECLARE
+        me TEXT := current_setting('sophos.owner_id', true);
+    BEGIN
+        IF me IS NULL OR me = '' THEN
+            RETURN NEW;
+        END IF;
+        PERFORM 1 FROM runs
+            WHERE conversation_id = NEW.thread_id AND status = 'running' AND owner_id = me
+            FOR SHARE;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION '{FENCED}: this process does not own the running run of the thread %',
+                NEW.thread_id;
+        END IF;
+        RETURN NEW;
+    END
+    $$;
+    CREATE TRIGGER sophos_fence BEFORE INSERT ON checkpoints
+        FOR EACH ROW EXECUTE FUNCTION sophos_fence();
+    CREATE TRIGGER sophos_fence BEFORE INSERT ON checkpoint_blobs
+        FOR EACH ROW EXECUTE FUNCTION sophos_fence();
+    CREATE TRIGGER sophos_fence BEFORE INSERT ON checkpoint_writes
+        FOR EACH ROW EXECUTE FUNCTION sophos_fence();
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def is_postgres_url(url: str | None) -> bool:
+    return bool(url) and url.split(":", 1)[0] in ("postgres", "postgresql")
+
+
+def schema_version(conn: psycopg.Connection) -> int:
+    """The highest kit migration applied; 0 on a database the kit never opened."""
+    if conn.execute("SELECT to_regclass('sophos_migrations') AS t").fetchone()["t"] is None:
+        return 0
+    return conn.execute("SELECT coalesce(max(version), 0) AS v FROM sophos_migrations").fetchone()["v"]
+
+
+def migrate(conn: psycopg.Connection) -> None:
+    """LangGraph's saver tables, then the kit's missing migrations, each in a transaction, under
+    the migration lock (so several processes starting at once migrate once)."""
+    from langgraph.checkpoint.postgres import PostgresSaver
+
+    conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
+    try:
+        PostgresSaver(conn).setup()  # its own migrations table; some of them cannot run in a transaction
+        conn.execute("CREATE TABLE IF NOT EXISTS sophos_migrations"
+                     " (version INTEGER PRIMARY KEY, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+        version = schema_version(conn)
+        if version > SCHEMA_VERSION:
+            raise SophosError(SCHEMA_TOO_NEW, (
+                f"The database has the kit's schema version {version}, but this sophos_lab knows "
+                f"versions up to {SCHEMA_VERSION}. Upgrade sophos_lab; the database was not changed."))
+        for number in range(version + 1, SCHEMA_VERSION + 1):
+            with conn.transaction():
+                conn.execute(MIGRATIONS[number - 1])
+                conn.execute("INSERT INTO sophos_migrations (version) VALUES (%s)", (number,))
+    finally:
+        conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
+
+
+def connect(url: str) -> psycopg.Connection:
+    """A connection for the application's tables, with every migration applied.
+
+    Autocommit: a statement outside `transaction()` is its own transaction, as in SQLite's
+    autocommit mode; `prepare_threshold=None` keeps it usable behind a transaction pooler."""
+    try:
+        conn = psycopg.connect(url, autocommit=True, row_factory=dict_row, prepare_threshold=None)
+    except psycopg.OperationalError as error:
+        raise SophosError(CONFIG_ERROR, f"Cannot reach the database at DATABASE_URL: {error}".strip()) from error
+    try:
+        migrate(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+@contextlib.contextmanager
+def _refused_when_full() -> Iterator[None]:
+    try:
+        yield
+    except psycopg.errors.DiskFull as error:
+        raise SophosError(STORAGE_FULL, f"The database server has no space left: {error}".strip()) from error
+
+
+_RUNNING_SQL = """
+SELECT r.id AS run_id, o.id, o.host, o.boot_id, o.pid, o.pid_started,
+       EXTRACT(EPOCH FROM o.lease_expires_at - now())::float8 AS lease_left,
+       o.lease_expires_monotonic, o.id IS NOT NULL AS has_owner
+FROM runs r LEFT JOIN owners o ON o.id = r.owner_id
+WHERE r.status = 'running'"""
+
+
+def _owner_row(row: dict) -> dict | None:
+    """An `owners` row as `owner_gone` reads it. Its wall-clock lease is read on the database's
+    clock: `lease_left` is what `now()` leaves of it, so it runs out here exactly when it does
+    there, whatever this host's clock says."""
+    if not row["has_owner"]:
+        return None
+    return {**row, "lease_expires_at": time.time() + row["lease_left"]}
+
+
+_RELABEL = f"""
+UPDATE runs SET
+    status = CASE WHEN cancel_requested_at IS NULL THEN 'interrupted' ELSE 'cancelled' END,
+    error_code = CASE WHEN cancel_requested_at IS NULL THEN error_code ELSE '{CANCELLED}' END,
+    error_message = CASE WHEN cancel_requested_at IS NULL THEN error_message ELSE '{CANCELLED_MESSAGE}' END,
+    finished_at = %s
+WHERE status = 'running' AND id = ANY(%s)
+RETURNING id, conversation_id"""
+
+
+class PostgresStore:
+    """The application tables of one PostgreSQL database, as one owner: `store.Store`'s
+    interface and rules, on the database's locks and clock."""
+
+    def __init__(self, url: str, lease_seconds: float = 15.0, single_owner: bool = False) -> None:
+        self.url = url
+        self.lease_seconds = lease_seconds
+        self.single_owner = single_owner
+        self.owner: Owner | None = None
+        self._conn: psycopg.Connection | None = None
+        self._lock = threading.RLock()
+        self.recovered_runs = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._conn is not None
+
+    @property
+    def conn(self) -> psycopg.Connection:
+        """The connection, opened (with migrations and recovery) on first use."""
+        with self._lock:
+            if self._conn is None:
+                conn = connect(self.url)
+                self.owner = self.owner or Owner.here()
+                self._conn = conn
+                try:
+                    self._open_sweep()
+                except BaseException:
+                    self._conn = None
+                    conn.close()
+                    raise
+            return self._conn
+
+    def close(self) -> None:
+        """Close; this owner's runs still `running` become recoverable at once."""
+        with self._lock:
+            if self._conn is not None:
+                with contextlib.suppress(psycopg.Error):
+                    self._conn.execute("DELETE FROM owners WHERE id = %s", (self.owner.id,))
+                self._conn.close()
+                self._conn = None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection]:
+        conn = self.conn
+        with self._lock, _refused_when_full(), conn.transaction():
+            yield conn
+
+    # ownership
+
+    def _lease(self, conn: psycopg.Connection) -> None:
+        owner = self.owner
+        conn.execute(
+            "INSERT INTO owners (id, host, boot_id, pid, pid_started, opened_at, lease_expires_at,"
+            " lease_expires_monotonic) VALUES (%s, %s, %s, %s, %s, %s, now() + make_interval(secs => %s), %s)"
+            " ON CONFLICT (id) DO UPDATE SET lease_expires_at = excluded.lease_expires_at,"
+            " lease_expires_monotonic = excluded.lease_expires_monotonic",
+            (owner.id, owner.host, owner.boot_id, owner.pid, owner.pid_started, utc_now(),
+             self.lease_seconds, time.monotonic() + self.lease_seconds),
+        )
+
+    def _open_sweep(self) -> None:
+        with self.transaction() as conn:
+            self._lease(conn)
+        if self.single_owner:
+            with self.transaction() as conn:
+                running = [row["id"] for row in conn.execute("SELECT id FROM runs WHERE status = 'running'")]
+                self.recovered_runs = self._relabel_in(conn, running)
+        else:
+            self.recovered_runs = self._relabel_stale(None)
+            self._forget_gone_owners()
+
+    def _stale_runs(self, conn: psycopg.Connection, conversation_id: str | None) -> list[str]:
+        sql, params = _RUNNING_SQL, ()
+        if conversation_id is not None:
+            sql, params = sql + " AND r.conversation_id = %s", (conversation_id,)
+        return [row["run_id"] for row in conn.execute(sql, params) if owner_gone(_owner_row(row), self.owner)]
+
+    def _relabel_in(self, conn: psycopg.Connection, run_ids: list[str]) -> int:
+        """Inside a transaction: relabel these runs if still `running`, and recount their
+        conversations (see `counting`); how many were relabelled."""
+        if not run_ids:
+            return 0
+        relabelled = conn.execute(_RELABEL, (utc_now(), run_ids)).fetchall()
+        for conversation_id in {row["conversation_id"] for row in relabelled}:
+            try:
+                count = shown_message_count(self.url, conversation_id)
+            except Exception:
+                log.exception("could not count the messages of %s; its message_count stays", conversation_id)
+                continue
+            if count is not None:
+                conn.execute("UPDATE conversations SET message_count = %s WHERE id = %s", (count, conversation_id))
+        return len(relabelled)
+
+    def _relabel_stale(self, conversation_id: str | None) -> int:
+        with self._lock:
+            if not self._stale_runs(self.conn, conversation_id):
+                return 0
+            with self.transaction() as conn:
+                return self._relabel_in(conn, self._stale_runs(conn, conversation_id))
+
+    def _forget_gone_owners(self) -> None:
+        conn = self.conn
+        rows = conn.execute(
+            "SELECT *, EXTRACT(EPOCH FROM lease_expires_at - now())::float8 AS lease_left, true AS has_owner"
+            " FROM owners WHERE id != %s AND id NOT IN"
+            " (SELECT owner_id FROM runs WHERE status = 'running' AND owner_id IS NOT NULL)",
+            (self.owner.id,),
+        ).fetchall()
+        gone = [row["id"] for row in rows if owner_gone(_owner_row(row), self.owner)]
+        if gone:
+            conn.execute("DELETE FROM owners WHERE id = ANY(%s)", (gone,))
+
+    def recover(self, conversation_id: str | None = None) -> int:
+        """Relabel `interrupted` the `running` runs whose owner is gone; how many."""
+        self.conn  # noqa: B018 - opened (and swept) on first use
+        if self.single_owner:
+            return 0
+        return self._relabel_stale(conversation_id)
+
+    _recover = recover
+
+    def relabel(self, run_ids: list[str]) -> int:
+        if not run_ids:
+            return 0
+        with self.transaction() as conn:
+            return self._relabel_in(conn, run_ids)
+
+    def renew_lease(self, run_ids: list[str]) -> set[str]:
+        with self.transaction() as conn:
+            self._lease(conn)
+        if not run_ids:
+            return set()
+        still = {row["id"] for row in self.conn.execute(
+            "SELECT id FROM runs WHERE id = ANY(%s) AND status = 'running' AND owner_id = %s",
+            (list(run_ids), self.owner.id))}
+        return set(run_ids) - still
+
+    # conversations
+
+    def create_conversation(self, conversation_id: str, first_message: str) -> None:
+        now = utc_now()
+        with self.transaction() as conn:
+            conn.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES (%s, %s, %s, %s)",
+                         (conversation_id, title_from_message(first_message), now, now))
+
+    def get_conversation(self, conversation_id: str) -> Conversation | None:
+        row = self._cursor().execute(_LISTING_SQL + " WHERE c.id = %s", (conversation_id,)).fetchone()
+        return Conversation(*row[1:]) if row else None
+
+    def list_conversations(self) -> list[Conversation]:
+        rows = self._cursor().execute(_LISTING_SQL + _LISTING_ORDER)
+        return [Conversation(*row[1:]) for row in rows]
+
+    def conversation_page(self, limit: int = PAGE_SIZE, after: ListingPosition | None = None) -> ConversationPage:
+        """As `Store.conversation_page`: keyset pages in the listing's order."""
+        sql, params = _LISTING_SQL, ()
+        if after is not None:
+            sql, params = sql + " WHERE (c.updated_at, c.seq) < (%s, %s)", (after.updated_at, after.rowid)
+        rows = self._cursor().execute(sql + _LISTING_ORDER + " LIMIT %s", (*params, limit + 1)).fetchall()
+        more, rows = len(rows) > limit, rows[:limit]
+        last = ListingPosition(rows[-1][4], rows[-1][0]) if rows else None
+        return ConversationPage(conversations=[Conversation(*row[1:]) for row in rows],
+                                next_cursor=encode_cursor(last) if more else None)
+
+    def _cursor(self) -> psycopg.Cursor:
+        return self.conn.cursor(row_factory=tuple_row)
+
+    # runs
+
+    def start_run(self, run_id: str, conversation_id: str, input_messages: list[dict[str, str]] | None = None,
+                  title: str | None = None, idempotency: IdempotencyKey | None = None,
+                  decision: tuple[Gate, dict[str, dict]] | None = None) -> None:
+        """As `Store.start_run`, in one transaction; the partial unique index refuses a second
+        `running` run on the conversation, whichever process or host tries."""
+        self._recover(conversation_id)
+        now = utc_now()
+        try:
+            with self.transaction() as conn:
+                if title is not None:
+                    conn.execute("INSERT INTO conversations (id, title, created_at, updated_at)"
+                                 " VALUES (%s, %s, %s, %s)", (conversation_id, title_from_message(title), now, now))
+                self._lease(conn)
+                conn.execute(
+                    "INSERT INTO runs (id, conversation_id, status, started_at, owner_id, input)"
+                    " VALUES (%s, %s, 'running', %s, %s, %s)",
+                    (run_id, conversation_id, now, self.owner.id,
+                     json.dumps(input_messages, ensure_ascii=False) if input_messages else None))
+                conn.execute("UPDATE conversations SET updated_at = %s, message_count = message_count + %s"
+                             " WHERE id = %s", (now, len(input_messages or ()), conversation_id))
+                if idempotency is not None:
+                    conn.execute("INSERT INTO idempotency_keys (key, request, conversation_id, run_id, created_at)"
+                                 " VALUES (%s, %s, %s, %s, %s)",
+                                 (idempotency.key, idempotency.request, conversation_id, run_id, now))
+                if decision is not None:
+                    gate, decisions = decision
+                    decided = conn.execute(
+                        "UPDATE gates SET decisions = %s, decided_at = %s, decided_run_id = %s"
+                        " WHERE conversation_id = %s AND id = %s AND decisions IS NULL",
+                        (json.dumps(decisions, ensure_ascii=False), now, run_id, gate.conversation_id, gate.id),
+                    ).rowcount
+                    if not decided:
+                        raise SophosError(GATE_DECIDED, f"The gate {gate.id} was decided already")
+        except psycopg.errors.UniqueViolation as error:
+            constraint = error.diag.constraint_name
+            if constraint == "idempotency_keys_pkey":
+                raise SophosError(IDEMPOTENCY_KEY_REUSED,
+                                  f"The idempotency key {idempotency.key!r} has started a run already") from error
+            if constraint == "one_running_run_per_conversation":
+                raise SophosError(SESSION_IN_PROGRESS, "Previous request still in progress") from error
+            raise
+
+    def finish_run(self, run_id: str, status: str, message_count: int | None, error_code: str | None = None,
+                   error_message: str | None = None, gate: Gate | None = None) -> bool:
+        now = utc_now()
+        mine, params = ("", ()) if self.single_owner else (" AND status = 'running' AND owner_id = %s", (self.owner.id,))
+        with self.transaction() as conn:
+            updated = conn.execute(
+                "UPDATE runs SET status = %s, error_code = %s, error_message = %s, finished_at = %s"
+                " WHERE id = %s" + mine, (status, error_code, error_message, now, run_id, *params)).rowcount
+            if updated and message_count is not None:
+                conn.execute("UPDATE conversations SET message_count = %s, updated_at = %s"
+                             " WHERE id = (SELECT conversation_id FROM runs WHERE id = %s)", (message_count, now, run_id))
+            if updated and gate is not None:
+                conn.execute(
+                    "INSERT INTO gates (id, conversation_id, run_id, calls, created_at) VALUES (%s, %s, %s, %s, %s)"
+                    " ON CONFLICT (conversation_id, id) DO UPDATE SET run_id = excluded.run_id",
+                    (gate.id, gate.conversation_id, run_id, json.dumps(gate.calls, ensure_ascii=False), now))
+        return bool(updated)
+
+    def gate(self, conversation_id: str, gate_id: str) -> Gate | None:
+        return _gate(self.conn.execute("SELECT * FROM gates WHERE conversation_id = %s AND id = %s",
+                                       (conversation_id, gate_id)).fetchone())
+
+    def gates(self, conversation_id: str) -> list[Gate]:
+        rows = self.conn.execute("SELECT * FROM gates WHERE conversation_id = %s ORDER BY seq", (conversation_id,))
+        return [_gate(row) for row in rows]
+
+    def run_gate(self, run_id: str) -> Gate | None:
+        return _gate(self.conn.execute("SELECT * FROM gates WHERE run_id = %s ORDER BY seq DESC LIMIT 1",
+                                       (run_id,)).fetchone())
+
+    def request_cancel(self, run_id: str) -> bool:
+        mine, params = ("", ()) if self.single_owner else (" AND owner_id = %s", (self.owner.id,))
+        with self.transaction() as conn:
+            return bool(conn.execute(
+                "UPDATE runs SET cancel_requested_at = %s WHERE id = %s AND status = 'running'"
+                " AND cancel_requested_at IS NULL" + mine, (utc_now(), run_id, *params)).rowcount)
+
+    def get_run(self, run_id: str) -> Run | None:
+        return _run(self.conn.execute("SELECT * FROM runs WHERE id = %s", (run_id,)).fetchone())
+
+    def latest_run(self, conversation_id: str) -> Run | None:
+        return _run(self.conn.execute("SELECT * FROM runs WHERE conversation_id = %s ORDER BY seq DESC LIMIT 1",
+                                      (conversation_id,)).fetchone())
+
+    def keyed_run(self, key: str) -> KeyedRun | None:
+        row = self.conn.execute("SELECT * FROM idempotency_keys WHERE key = %s", (key,)).fetchone()
+        return KeyedRun(**row) if row else None
+
+    def list_runs(self, conversation_id: str | None = None) -> list[Run]:
+        sql, params = "SELECT * FROM runs", ()
+        if conversation_id is not None:
+            sql, params = sql + " WHERE conversation_id = %s", (conversation_id,)
+        return [_run(row) for row in self.conn.execute(sql + " ORDER BY seq", params)]
+
+
+# As SQLite's `_LISTING_SQL`: each conversation with its latest run, read off the index on
+# (conversation_id, seq); `seq` is the position the cursor carries.
+_LISTING_SQL = """
+SELECT c.seq, c.id, c.title, c.created_at, c.updated_at, c.message_count,
+       r.status, r.error_code, r.error_message
+FROM conversations c
+LEFT JOIN LATERAL (
+    SELECT status, error_code, error_message FROM runs WHERE conversation_id = c.id ORDER BY seq DESC LIMIT 1
+) r ON true"""
+_LISTING_ORDER = " ORDER BY c.updated_at DESC, c.seq DESC"
+
+
+def _run(row: dict | None) -> Run | None:
+    if row is None:
+        return None
+    row.pop("seq")
+    return Run(**row)
+
+
+def _gate(row: dict | None) -> Gate | None:
+    if row is None:
+        return None
+    row.pop("seq")
+    row["calls"] = json.loads(row["calls"])
+    row["decisions"] = None if row["decisions"] is None else json.loads(row["decisions"])
+    return Gate(**row)
+
+
+def shown_message_count(url: str, conversation_id: str) -> int | None:
+    """`counting.shown_message_count` on PostgreSQL: the thread read once through a connection
+    of its own (which the fence does not touch: it only reads)."""
+    from langgraph.checkpoint.postgres import PostgresSaver
+
+    from .agent import build_graph
+    from .counting import shown_count
+
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row, prepare_threshold=None) as conn:
+        latest = conn.execute("SELECT id, input FROM runs WHERE conversation_id = %s ORDER BY seq DESC LIMIT 1",
+                              (conversation_id,)).fetchone()
+        snapshot = build_graph(None, PostgresSaver(conn)).get_state({"configurable": {"thread_id": conversation_id}})
+    messages, written_by = [], None
+    if snapshot.created_at is not None:
+        messages = snapshot.values.get("messages", [])
+        written_by = (snapshot.metadata or {}).get("run_id")
+    pending = unapplied_input(latest["id"], latest["input"], written_by) if latest else []
+    return shown_count(messages, pending)
+
+
+# the checkpoints
+
+
+def _notifying_saver_class():
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+    class NotifyingPostgresSaver(Notifying, AsyncPostgresSaver):
+        """LangGraph's AsyncPostgresSaver, saved-then-told and fenced (see the module)."""
+
+        def __init__(self, conn: Any, lock: asyncio.Lock | None = None, **kwargs: Any) -> None:
+            super().__init__(conn, **kwargs)
+            self.supports_pipeline = False  # one transaction per write (see the module)
+            self._notifying(lock)
+
+    return NotifyingPostgresSaver
+
+
+async def open_saver(url: str, owner_id: str | None, lock: asyncio.Lock | None = None) -> tuple[Any, Any]:
+    """A pool and the saver on it. With `owner_id`, every connection of the pool is fenced to
+    that owner (None: the original's single-owner rule, no fence)."""
+    from psycopg_pool import AsyncConnectionPool
+
+    async def configure(conn: psycopg.AsyncConnection) -> None:
+        if owner_id is not None:
+            await conn.execute("SELECT set_config('sophos.owner_id', %s, false)", (owner_id,))
+
+    pool = AsyncConnectionPool(
+        url, min_size=1, max_size=4, open=False, configure=configure, check=AsyncConnectionPool.check_connection,
+        kwargs={"autocommit": True, "row_factory": dict_row, "prepare_threshold": None},
+    )
+    await pool.open(wait=True)
+    return pool, _notifying_saver_class()(pool, lock=lock)
