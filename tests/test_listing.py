@@ -15,6 +15,8 @@ import pytest
 from sophos_lab.runtime.errors import BAD_REQUEST, SophosError
 from sophos_lab.runtime.store import MAX_PAGE_SIZE, MIGRATIONS, PAGE_SIZE, Store, decode_cursor
 
+pytestmark = pytest.mark.both_backends
+
 
 def add_conversations(agent, count: int) -> list[str]:
     """`count` conversations, each with one completed run, oldest first; their ids."""

@@ -18,6 +18,8 @@ from sophos_lab.runtime.errors import (
 from sophos_lab.runtime.settings import Settings
 from sophos_lab.runtime.store import Store
 
+pytestmark = pytest.mark.both_backends
+
 FAST_RETRIES = {"SOPHOS_LAB_RETRY_BASE_SECONDS": "0.01", "SOPHOS_LAB_RETRY_MAX_SECONDS": "0.03"}
 
 

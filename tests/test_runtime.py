@@ -20,6 +20,8 @@ from sophos_lab.runtime.errors import (
 from sophos_lab.lab.inspect import peek_runs
 from sophos_lab.lab.harness import dead_port_url
 
+pytestmark = pytest.mark.both_backends
+
 MISSING_ENTITY = (
     'Add the observation "has a lab" to the existing knowledge graph entity named '
     '"no-such-entity-42". Use add_observations.'
