@@ -326,6 +326,7 @@ def database(request, backend, db_path) -> dict[str, str]:
     server = request.getfixturevalue("postgres")
     url = postgres_server.new_database(server.url, request.node.name[:30])
     yield {"DATABASE_PATH": str(db_path), "DATABASE_URL": url}
+    assert not db_path.exists(), "a run on PostgreSQL wrote the SQLite file"
     postgres_server.drop_database(server.url, url)
 
 

@@ -49,6 +49,7 @@ from conftest import integrity, transcript
 from sophos_lab.lab.children import EXITED, FATAL_EVENTS, FINAL_EVENTS, ChildFailed, LabWorker
 from sophos_lab.runtime.errors import SophosError
 from sophos_lab.lab.inspect import peek_runs
+from sophos_lab.lab import postgres_server
 from sophos_lab.lab.harness import Lab
 
 pytestmark = pytest.mark.crash_matrix
@@ -195,7 +196,18 @@ class Point:
     seconds: float = 0.0
 
 
-def run_statuses(db_path: Path, conversation: str) -> str:
+def database(files: dict[str, str]) -> str | Path:
+    """The database of a point, as the views read it."""
+    return files.get("DATABASE_URL") or Path(files["DATABASE_PATH"])
+
+
+def checked(files: dict[str, str]) -> str:
+    """SQLite's `integrity_check` of the point's file; PostgreSQL has no such check built in
+    (its pages are checksummed by the server), so "ok"."""
+    return "ok" if "DATABASE_URL" in files else integrity(Path(files["DATABASE_PATH"]))
+
+
+def run_statuses(db_path: Path | str, conversation: str) -> str:
     runs = peek_runs(db_path, conversation)
     return ",".join(
         status + (f"/{code}" if code else "") for status, code in zip(runs["status"], runs["error_code"])
@@ -233,15 +245,21 @@ def table(mode: str, points: list[Point], reference: Reference) -> str:
 
 
 class Lane:
-    def __init__(self, lab: Lab) -> None:
+    def __init__(self, lab: Lab, postgres_url: str | None = None) -> None:
         self.lab = lab
+        self.postgres_url = postgres_url
+        """The server on which each point gets a database of its own (None: a SQLite file each)."""
         self.message = MESSAGE.format(first=lab.page(PAGES[0]), second=lab.page(PAGES[1]))
 
     def files(self, label: str) -> dict[str, str]:
         folder = self.lab.root / "points" / label
         folder.mkdir(parents=True)
+        database = {}
+        if self.postgres_url:
+            database = {"DATABASE_URL": postgres_server.new_database(self.postgres_url, label)}
         return {
             "DATABASE_PATH": str(folder / "sophos.db"),
+            **database,
             "MEMORY_FILE_PATH": str(folder / "memory.jsonl"),
             "LEDGER_PATH": str(folder / "ledger.db"),
         }
@@ -291,7 +309,7 @@ async def run_point(lane: Lane, child: LabWorker, files: dict[str, str], mode: s
                     reference: Reference) -> Point:
     started = time.monotonic()
     point = Point(n, describe(reference.events[n - 1]))
-    db_path = Path(files["DATABASE_PATH"])
+    db_path = database(files)
     before = await asyncio.to_thread(lane.fetch_counts)
     try:
         child.chat(lane.message)
@@ -379,7 +397,7 @@ async def run_point(lane: Lane, child: LabWorker, files: dict[str, str], mode: s
     users = [m for m in final if m["role"] == "user"]
     if [m["content"] for m in users] != [reference.transcript[0]["content"]]:
         point.problems.append(f"the user's message is there {len(users)} times, not once")
-    check = integrity(db_path)
+    check = checked(files)
     if check != "ok":
         point.problems.append(f"integrity_check: {check}")
     for page in PAGES:
@@ -432,14 +450,16 @@ async def run_matrix(lanes: list[Lane], mode: str, reference: Reference) -> list
 # --- the tests ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def matrix(lab_home):
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def matrix(request, lab_home):
+    """Each point on a SQLite file of its own, or on a PostgreSQL database of its own."""
+    server = request.getfixturevalue("postgres").url if request.param == "postgres" else None
     # fork_servers: fetch is started hundreds of times; forked, it starts in milliseconds
-    labs = [Lab.setup(f"tests-crash-matrix-{i}", quiet=True, fork_servers=True) for i in range(LANES)]
+    labs = [Lab.setup(f"tests-crash-matrix-{request.param}-{i}", quiet=True, fork_servers=True) for i in range(LANES)]
     for lab in labs:
         lab.edit_mcp_config(lambda config: config.pop("memory"))  # the reference run fetches only
     try:
-        lanes = [Lane(lab) for lab in labs]
+        lanes = [Lane(lab, server) for lab in labs]
         reference = asyncio.run(asyncio.wait_for(reference_run(lanes[0]), BARRIER_TIMEOUT))
         yield lanes, reference
     finally:
@@ -454,7 +474,7 @@ def test_a_kill_after_any_event_recovers_to_the_same_transcript(matrix, mode):
     points = asyncio.run(asyncio.wait_for(run_matrix(lanes, mode, reference), MATRIX_TIMEOUT))
     seconds = time.monotonic() - started
     report = table(mode, points, reference) + (
-        f"\n{mode} matrix: {seconds:.1f} s for {len(points)} points on {len(lanes)} lanes "
+        f"\n{mode} matrix on {'PostgreSQL' if lanes[0].postgres_url else 'SQLite'}: {seconds:.1f} s for {len(points)} points on {len(lanes)} lanes "
         f"({os.cpu_count()} cores; the reference run took {reference.seconds:.1f} s)")
     print("\n" + report)
     assert len(points) == reference.points

@@ -2,11 +2,10 @@
 
 Process A holds a live run: its model stream is paused half-way through the summary by the
 scripted model, so the run is `running` for as long as the test wants. Process B is a second
-worker on the same file. Nothing here is simulated: two Python processes, one SQLite file,
-real SIGKILL and SIGSTOP.
+worker on the same database. Nothing here is simulated: two Python processes, one SQLite file
+or one PostgreSQL database (each test runs on both), real SIGKILL and SIGSTOP.
 """
 
-import sqlite3
 import time
 
 import pytest
@@ -17,10 +16,15 @@ from sophos_lab.lab.harness import Lab
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 
 
+pytestmark = pytest.mark.both_backends
+
+
 @pytest.fixture
-def lab(request, lab_home):
-    with Lab.setup(f"tests-owner-{request.node.name}", quiet=True, fork_servers=True) as lab:
+def lab(request, lab_home, database):
+    with Lab.setup(f"tests-owner-{request.node.name}", quiet=True, fork_servers=True,
+                   database_url=database.get("DATABASE_URL")) as lab:
         yield lab
+        assert lab.db_path.exists() != bool(lab.database_url)  # on PostgreSQL, no file at all
 
 
 def hold_a_run(lab, child) -> str:
@@ -41,11 +45,17 @@ def user_messages(lab, conversation) -> list[str]:
 
 
 def rows(lab, sql: str, *params) -> list[tuple]:
-    conn = sqlite3.connect(f"{lab.db_path.as_uri()}?mode=ro", uri=True)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
+    return list(lab.sql(sql, *params).itertuples(index=False, name=None))
+
+
+def saved(lab) -> dict[str, list[tuple]]:
+    """Every row of the runs and of LangGraph's tables (PostgreSQL's saver has a third one)."""
+    tables = ("checkpoint_writes", "checkpoint_blobs") if lab.database_url else ("writes",)
+    return {
+        "runs": rows(lab, "SELECT * FROM runs ORDER BY id"),
+        "checkpoints": rows(lab, "SELECT checkpoint_id, parent_checkpoint_id FROM checkpoints ORDER BY checkpoint_id"),
+        **{table: sorted(map(repr, rows(lab, f"SELECT * FROM {table}"))) for table in tables},
+    }
 
 
 def forks(lab, conversation) -> list[tuple]:
@@ -135,11 +145,7 @@ def test_a_frozen_owner_past_its_lease_is_taken_over_and_writes_nothing_when_it_
 
         b.resume(conversation)
         assert b.wait_final()["data"]["status"] == "completed"
-        taken_over = {
-            "runs": rows(lab, "SELECT * FROM runs"),
-            "checkpoints": rows(lab, "SELECT checkpoint_id, parent_checkpoint_id FROM checkpoints"),
-            "writes": rows(lab, "SELECT * FROM writes"),
-        }
+        taken_over = saved(lab)
 
         lab.model.release()  # A's held answer comes through when it wakes
         a.thaw()
@@ -147,11 +153,7 @@ def test_a_frozen_owner_past_its_lease_is_taken_over_and_writes_nothing_when_it_
 
     assert (woke["event"], woke["data"]["code"]) == ("chat-error", OWNERSHIP_LOST)
     assert on_disk(lab, conversation) == ["interrupted", "completed"]
-    assert {
-        "runs": rows(lab, "SELECT * FROM runs"),
-        "checkpoints": rows(lab, "SELECT checkpoint_id, parent_checkpoint_id FROM checkpoints"),
-        "writes": rows(lab, "SELECT * FROM writes"),
-    } == taken_over  # A wrote nothing after it woke
+    assert saved(lab) == taken_over  # A wrote nothing after it woke
     assert forks(lab, conversation) == []  # exactly one branch of history
     assert lab.state(conversation)["roles"] == ["user", "assistant", "tool", "assistant"]
     assert lab.fetches("wal.html") == 1

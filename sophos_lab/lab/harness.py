@@ -98,6 +98,8 @@ class Lab:
     """The servers from `config/extras/` added to this lab's `mcp.json` (kept by `restore_mcp_config`)."""
     fork_servers: bool = False
     """Whether this lab's `python -m` stdio servers are forked (`Lab.setup(fork_servers=True)`)."""
+    database_url: str | None = None
+    """The PostgreSQL database of this lab (`Lab.setup(database_url=...)`); None: its SQLite file."""
 
     @classmethod
     def setup(
@@ -110,6 +112,7 @@ class Lab:
         quiet: bool = False,
         extra_servers: tuple[str, ...] | list[str] = (),
         fork_servers: bool = False,
+        database_url: str | None = None,
     ) -> Lab:
         """A fresh lab: wipe `.lab/<name>/`, copy the config, start the model (unless a real
         Ollama is named by argument or `OLLAMA_HOST`: then a recording proxy in front of it) and
@@ -121,7 +124,11 @@ class Lab:
         `fork_servers=True` forks every `python -m` stdio server of the lab's `mcp.json` (`fetch`,
         the ledger) from the fork server instead of starting a fresh interpreter each time
         (`fork_mcp_server`): for tests that start hundreds of children. A lesson leaves it off, so
-        that the processes it shows are the ones the config names."""
+        that the processes it shows are the ones the config names.
+
+        `database_url` (a `postgresql://` URL) puts the lab's tables and checkpoints on that
+        PostgreSQL database instead of the lab's SQLite file: its children get it as
+        `DATABASE_URL`, and its views read it."""
         if isinstance(extra_servers, str):
             extra_servers = (extra_servers,)
         extras = {name: extra_server(name) for name in extra_servers}  # an unknown name fails before anything starts
@@ -157,6 +164,7 @@ class Lab:
         for extra in extras:
             lab.add_mcp_server(extra)
         lab.fork_servers = fork_servers
+        lab.database_url = database_url
         lab._fork_python_servers()
         new_score()  # a fresh lab is a fresh pass at the lesson: its predictions count from zero
         if not quiet:
@@ -168,6 +176,11 @@ class Lab:
     @property
     def db_path(self) -> Path:
         return self.root / "sophos.db"
+
+    @property
+    def database(self) -> str | Path:
+        """What the views read: the PostgreSQL URL, or the SQLite file."""
+        return self.database_url or self.db_path
 
     @property
     def ledger_path(self) -> Path:
@@ -193,6 +206,7 @@ class Lab:
             "OLLAMA_HOST": self.ollama_host,
             "OLLAMA_MODEL": self.ollama_model,
             "DATABASE_PATH": str(self.db_path),
+            **({"DATABASE_URL": self.database_url} if self.database_url else {}),
             "CONFIG_DIR": str(self.config_dir),
             "MEMORY_FILE_PATH": str(self.root / "memory.jsonl"),
             "LEDGER_PATH": str(self.ledger_path),
@@ -309,37 +323,42 @@ class Lab:
 
     def peek_runs(self, conversation: str | None = None) -> pd.DataFrame:
         """The runs table as it is on disk right now."""
-        return views.peek_runs(self.db_path, conversation)
+        return views.peek_runs(self.database, conversation)
+
+    def sql(self, query: str, *params: Any) -> pd.DataFrame:
+        """A read-only query on the lab's database (SQLite's SQL with `?` placeholders; on
+        PostgreSQL the placeholders are translated), as a DataFrame."""
+        return views.sql(self.database, query, params)
 
     def runs(self, conversation: str | None = None) -> pd.DataFrame:
-        return views.peek_runs(self.db_path, conversation)
+        return views.peek_runs(self.database, conversation)
 
     def conversations(self) -> pd.DataFrame:
-        return views.conversations(self.db_path)
+        return views.conversations(self.database)
 
     def gates(self, conversation: str | None = None) -> pd.DataFrame:
         """The approval gates on disk: one row per held tool call, with the decision on it."""
-        return views.gates(self.db_path, conversation)
+        return views.gates(self.database, conversation)
 
     def checkpoints(self, conversation: str) -> pd.DataFrame:
-        return views.checkpoints(self.db_path, conversation)
+        return views.checkpoints(self.database, conversation)
 
     def writes(self, conversation: str) -> pd.DataFrame:
-        return views.pending_writes(self.db_path, conversation)
+        return views.pending_writes(self.database, conversation)
 
     def messages(self, conversation: str) -> pd.DataFrame:
-        return views.messages(self.db_path, conversation)
+        return views.messages(self.database, conversation)
 
     def state(self, conversation: str) -> dict[str, Any]:
         """What the seed's `state()` shell helper shows."""
-        return views.state(self.db_path, conversation)
+        return views.state(self.database, conversation)
 
     def timeline(self, conversation: str):
         """The runs and checkpoints of `conversation` on a time axis, with this lab's model
         requests (✕ for those that failed: an HTTP error, or no answer at all)."""
         requests = [r for r in self.model.chat_requests() if r.get("time")]
         failed = [r["time"] for r in requests if r.get("status") != 200]
-        return views.timeline(self.db_path, conversation, model_requests=[r["time"] for r in requests],
+        return views.timeline(self.database, conversation, model_requests=[r["time"] for r in requests],
                               failed_requests=failed)
 
     def ledger(self) -> pd.DataFrame:

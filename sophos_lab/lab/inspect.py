@@ -11,9 +11,10 @@ A conversation id is checked as the service checks it: anything else is a `BAD_R
 
 from __future__ import annotations
 
+import contextlib
 import json
-import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +99,80 @@ class TextFrame(pd.DataFrame):
         )
 
 
+@dataclass
+class _Reader:
+    """A read-only connection to the lab's database: the SQLite file, or PostgreSQL (a URL).
+
+    The views' SQL is SQLite's with `?` placeholders and `{order}` for insertion order (SQLite's
+    `rowid`, PostgreSQL's `seq` column); `rows` turns it into PostgreSQL's where it has to."""
+
+    conn: Any
+    postgres: bool
+
+    @property
+    def order(self) -> str:
+        return "seq" if self.postgres else "rowid"
+
+    def has(self, table: str) -> bool:
+        if self.postgres:
+            return self.rows("SELECT to_regclass(?) IS NOT NULL", (table,))[1][0][0]
+        return has_table(self.conn, table)
+
+    def rows(self, sql: str, params: tuple = ()) -> tuple[list[str], list[tuple]]:
+        """The column names and the rows (tuples) of `sql`."""
+        sql = sql.replace("{order}", self.order)
+        if self.postgres:
+            from psycopg.rows import tuple_row
+
+            cursor = self.conn.cursor(row_factory=tuple_row).execute(sql.replace("?", "%s"), params)
+        else:
+            cursor = self.conn.execute(sql, params)
+        rows = cursor.fetchall()
+        return [column[0] for column in cursor.description or ()], rows
+
+    def saver(self) -> Any:
+        """LangGraph's sync saver on this connection, for reading."""
+        if self.postgres:
+            from langgraph.checkpoint.postgres import PostgresSaver
+
+            return PostgresSaver(self.conn)
+        from langgraph.checkpoint.sqlite import SqliteSaver
+
+        saver = SqliteSaver(self.conn)
+        saver.is_setup = True  # the tables exist; setup() would try to write
+        return saver
+
+
+@contextlib.contextmanager
+def reading(database: str | Path) -> Iterator[_Reader | None]:
+    """A `_Reader` on the database (None when there is no such file)."""
+    if isinstance(database, str) and "://" in database:
+        from ..runtime.postgres import read_only as postgres_read_only
+
+        with postgres_read_only(database) as conn:
+            yield _Reader(conn, postgres=True)
+        return
+    with read_only(database) as conn:
+        yield None if conn is None else _Reader(conn, postgres=False)
+
+
+def sql(database: str | Path, query: str, params: tuple = ()) -> pd.DataFrame:
+    """Any read-only query on the database, as a DataFrame (`?` placeholders, `{order}` for
+    insertion order: see `_Reader`); empty when there is no such file."""
+    with reading(database) as reader:
+        if reader is None:
+            return pd.DataFrame()
+        names, rows = reader.rows(query, params)
+    return _plain(pd.DataFrame(rows, columns=names))
+
+
 def _query(db_path: str | Path, table: str, sql: str, params: tuple, columns: list[str]) -> pd.DataFrame:
-    with read_only(db_path) as conn:
-        if conn is None or not has_table(conn, table):
+    with reading(db_path) as reader:
+        if reader is None or not reader.has(table):
             return pd.DataFrame(columns=columns)
-        return _plain(pd.read_sql_query(sql, conn, params=params))
+        names, rows = reader.rows(sql, params)
+        frame = pd.DataFrame(rows, columns=names)
+        return _plain(frame.drop(columns=["seq"]) if "seq" in frame else frame)
 
 
 def peek_runs(db_path: str | Path, conversation: str | None = None) -> pd.DataFrame:
@@ -114,7 +184,7 @@ def peek_runs(db_path: str | Path, conversation: str | None = None) -> pd.DataFr
     if conversation is not None:
         where, params = "WHERE conversation_id = ?", (parse_conversation_id(conversation),)
     return _query(
-        db_path, "runs", f"SELECT * FROM runs {where} ORDER BY rowid", params, RUN_COLUMNS
+        db_path, "runs", f"SELECT * FROM runs {where} ORDER BY {{order}}", params, RUN_COLUMNS
     )
 
 
@@ -126,12 +196,12 @@ def gates(db_path: str | Path, conversation: str | None = None) -> pd.DataFrame:
     where, params = ("", ())
     if conversation is not None:
         where, params = "WHERE conversation_id = ?", (parse_conversation_id(conversation),)
-    with read_only(db_path) as conn:
-        if conn is None or not has_table(conn, "gates"):
+    with reading(db_path) as reader:
+        if reader is None or not reader.has("gates"):
             return pd.DataFrame(columns=GATE_COLUMNS)
-        stored = conn.execute(
+        _, stored = reader.rows(
             "SELECT id, conversation_id, run_id, calls, decisions, created_at, decided_at, decided_run_id"
-            f" FROM gates {where} ORDER BY rowid", params).fetchall()
+            f" FROM gates {where} ORDER BY {{order}}", params)
     rows = []
     for gate, conversation_id, run_id, calls, decisions, created_at, decided_at, decided_run_id in stored:
         decisions = json.loads(decisions) if decisions is not None else {}
@@ -156,18 +226,18 @@ def pending_gate(db_path: str | Path, conversation: str) -> dict[str, Any] | Non
     (the gate of its latest run, when that run is `waiting`): `{gate, run, calls, created_at}`,
     `calls` as the model made them (`[{id, name, args}]`); None when nothing waits."""
     conversation = parse_conversation_id(conversation)
-    with read_only(db_path) as conn:
-        if conn is None or not has_table(conn, "gates"):
+    with reading(db_path) as reader:
+        if reader is None or not reader.has("gates"):
             return None
-        row = conn.execute(
+        _, rows = reader.rows(
             "SELECT g.id, g.run_id, g.calls, g.created_at FROM runs r JOIN gates g ON g.run_id = r.id"
-            " WHERE r.rowid = (SELECT max(rowid) FROM runs WHERE conversation_id = ?) AND r.status = 'waiting'"
-            " ORDER BY g.rowid DESC LIMIT 1",
+            " WHERE r.{order} = (SELECT max({order}) FROM runs WHERE conversation_id = ?) AND r.status = 'waiting'"
+            " ORDER BY g.{order} DESC LIMIT 1",
             (conversation,),
-        ).fetchone()
-    if row is None:
+        )
+    if not rows:
         return None
-    gate, run, calls, created_at = row
+    gate, run, calls, created_at = rows[0]
     return {"gate": gate, "run": run, "calls": json.loads(calls), "created_at": created_at}
 
 
@@ -182,16 +252,13 @@ def conversations(db_path: str | Path) -> pd.DataFrame:
 def _read_thread(db_path: str | Path, conversation: str, read: Callable[[Any, Any, dict], Any]) -> Any:
     """`read(graph, saver, config)` on the thread, through LangGraph on a read-only connection;
     None when nothing was checkpointed."""
-    from langgraph.checkpoint.sqlite import SqliteSaver
-
     from ..runtime.agent import build_graph
 
     conversation = parse_conversation_id(conversation)
-    with read_only(db_path) as conn:
-        if conn is None or not has_table(conn, "checkpoints"):
+    with reading(db_path) as reader:
+        if reader is None or not reader.has("checkpoints"):
             return None
-        saver = SqliteSaver(conn)
-        saver.is_setup = True  # the tables exist; setup() would try to write
+        saver = reader.saver()
         return read(build_graph(None, saver), saver, thread_config(conversation))
 
 
@@ -216,10 +283,14 @@ def _latest(db_path: str | Path, conversation: str) -> Any | None:
 def _pruned_rows(db_path: str | Path, conversation: str) -> list[dict[str, Any]]:
     """One row per prune of the thread (`source` says how many checkpoints went, which steps,
     and `created_at` when), to stand where those checkpoints were."""
-    from ..runtime.retention import prune_records
-
-    with read_only(db_path) as conn:
-        records = prune_records(conn, parse_conversation_id(conversation))
+    conversation = parse_conversation_id(conversation)
+    with reading(db_path) as reader:
+        if reader is None or not reader.has("prunes"):
+            return []
+        names, stored = reader.rows(
+            "SELECT pruned_at, checkpoints, writes, bytes, first_step, last_step, kept_from FROM prunes"
+            " WHERE conversation_id = ? ORDER BY id", (conversation,))
+    records = [dict(zip(names, row)) for row in stored]
     rows = []
     for record in records:
         steps = "" if record["first_step"] is None else f", steps {record['first_step']} to {record['last_step']}"
@@ -264,14 +335,16 @@ def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
     steps = _read_thread(db_path, conversation, lambda _, saver, config: {
         saved.config["configurable"]["checkpoint_id"]: saved.metadata.get("step") for saved in saver.list(config)
     }) or {}
-    with read_only(db_path) as conn:
-        if conn is None or not has_table(conn, "writes"):
+    with reading(db_path) as reader:
+        # LangGraph's two savers name the table and its value column differently.
+        table, value = ("checkpoint_writes", "blob") if reader is not None and reader.postgres else ("writes", "value")
+        if reader is None or not reader.has(table):
             return pd.DataFrame(columns=WRITE_COLUMNS)
-        rows = conn.execute(
-            "SELECT checkpoint_id, task_id, task_path, idx, channel, type, value FROM writes"
+        _, rows = reader.rows(
+            f"SELECT checkpoint_id, task_id, task_path, idx, channel, type, {value} FROM {table}"
             " WHERE thread_id = ? ORDER BY checkpoint_id, task_id, idx",
             (conversation,),
-        ).fetchall()
+        )
     records = []
     for checkpoint_id, task_id, task_path, idx, channel, type_, value in rows:
         records.append({

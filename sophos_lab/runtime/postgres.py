@@ -188,21 +188,41 @@ def migrate(conn: psycopg.Connection) -> None:
         conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
 
 
-def connect(url: str) -> psycopg.Connection:
-    """A connection for the application's tables, with every migration applied.
-
-    Autocommit: a statement outside `transaction()` is its own transaction, as in SQLite's
-    autocommit mode; `prepare_threshold=None` keeps it usable behind a transaction pooler."""
+def _connect(url: str, **options: Any) -> psycopg.Connection:
+    """Autocommit (a statement outside a `transaction()` is its own, as in SQLite's autocommit
+    mode), dict rows (LangGraph's savers need them), and no prepared statements, which break
+    behind a transaction-mode pooler; a server that cannot be reached is a `CONFIG_ERROR`."""
     try:
-        conn = psycopg.connect(url, autocommit=True, row_factory=dict_row, prepare_threshold=None)
+        return psycopg.connect(url, autocommit=True, row_factory=dict_row, prepare_threshold=None, **options)
     except psycopg.OperationalError as error:
         raise SophosError(CONFIG_ERROR, f"Cannot reach the database at DATABASE_URL: {error}".strip()) from error
+
+
+def connect(url: str) -> psycopg.Connection:
+    """A connection for the application's tables, with every migration applied."""
+    conn = _connect(url)
     try:
         migrate(conn)
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+@contextlib.contextmanager
+def read_only(url: str) -> Iterator[psycopg.Connection]:
+    """A connection on which every transaction is read-only: it never writes, never migrates
+    and never recovers (the lab's views). A database whose kit schema is newer is refused."""
+    conn = _connect(url, options="-c default_transaction_read_only=on")
+    try:
+        version = schema_version(conn)
+        if version > SCHEMA_VERSION:
+            raise SophosError(SCHEMA_TOO_NEW, (
+                f"The database has the kit's schema version {version}, but this sophos_lab knows "
+                f"versions up to {SCHEMA_VERSION}; nothing was changed."))
+        yield conn
+    finally:
+        conn.close()
 
 
 @contextlib.contextmanager
@@ -543,7 +563,7 @@ def shown_message_count(url: str, conversation_id: str) -> int | None:
     from .agent import build_graph
     from .counting import shown_count
 
-    with psycopg.connect(url, autocommit=True, row_factory=dict_row, prepare_threshold=None) as conn:
+    with _connect(url) as conn:
         latest = conn.execute("SELECT id, input FROM runs WHERE conversation_id = %s ORDER BY seq DESC LIMIT 1",
                               (conversation_id,)).fetchone()
         snapshot = build_graph(None, PostgresSaver(conn)).get_state({"configurable": {"thread_id": conversation_id}})
