@@ -314,20 +314,27 @@ def postgres(tmp_path_factory):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def database_env(request, backend: str, db_path: Path) -> dict[str, str]:
+    """The environment of a database on `backend` (for a module's fixture: its own database)."""
+    if backend == "sqlite":
+        return {"DATABASE_PATH": str(db_path)}
+    from sophos_lab.lab import postgres_server
+
+    server = request.getfixturevalue("postgres")
+    return {"DATABASE_PATH": str(db_path), "DATABASE_URL": postgres_server.new_database(server.url, request.node.name[:30])}
+
+
 @pytest.fixture
 def database(request, backend, db_path) -> dict[str, str]:
     """This test's database as the environment names it: `DATABASE_PATH` (a fresh file) or
     `DATABASE_URL` (a fresh PostgreSQL database, dropped after the test)."""
-    if backend == "sqlite":
-        yield {"DATABASE_PATH": str(db_path)}
-        return
-    from sophos_lab.lab import postgres_server
+    env = database_env(request, backend, db_path)
+    yield env
+    if "DATABASE_URL" in env:
+        from sophos_lab.lab import postgres_server
 
-    server = request.getfixturevalue("postgres")
-    url = postgres_server.new_database(server.url, request.node.name[:30])
-    yield {"DATABASE_PATH": str(db_path), "DATABASE_URL": url}
-    assert not db_path.exists(), "a run on PostgreSQL wrote the SQLite file"
-    postgres_server.drop_database(server.url, url)
+        assert not db_path.exists(), "a run on PostgreSQL wrote the SQLite file"
+        postgres_server.drop_database(request.getfixturevalue("postgres").url, env["DATABASE_URL"])
 
 
 @pytest.fixture

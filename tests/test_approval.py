@@ -19,14 +19,17 @@ from sophos_lab.runtime.errors import (
 from sophos_lab.runtime.service import AgentService
 from sophos_lab.runtime.tools import load_mcp_config
 
+pytestmark = pytest.mark.both_backends
+
 PAY = "Please pay 30 to alice."
 PAY_ONCE = "Pay 30 to alice, exactly once."
 COMMITTED = "/ledger-committed"
 
 
 @pytest.fixture
-def ledger_lab(request, lab_home):
-    with Lab.setup(f"tests-approval-{request.node.name}", quiet=True, fork_servers=True, extra_servers=("ledger",)) as lab:
+def ledger_lab(request, lab_home, database):
+    with Lab.setup(f"tests-approval-{request.node.name}", quiet=True, fork_servers=True, extra_servers=("ledger",),
+                   database_url=database.get("DATABASE_URL")) as lab:
         yield lab
 
 

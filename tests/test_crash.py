@@ -10,12 +10,15 @@ from conftest import roles, statuses
 
 from sophos_lab.lab.harness import Lab
 
+pytestmark = pytest.mark.both_backends
+
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 
 
 @pytest.fixture
-def lab(request, lab_home):
-    with Lab.setup(f"tests-crash-{request.node.name}", quiet=True, fork_servers=True) as lab:
+def lab(request, lab_home, database):
+    with Lab.setup(f"tests-crash-{request.node.name}", quiet=True, fork_servers=True,
+                   database_url=database.get("DATABASE_URL")) as lab:
         yield lab
 
 

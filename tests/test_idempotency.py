@@ -17,12 +17,15 @@ from sophos_lab.standins import ledger_server
 from sophos_lab.lab.harness import KIT_ROOT, Lab
 from sophos_lab.runtime.tools import IDEMPOTENCY_KEY, model_facing, with_idempotency_key
 
+pytestmark = pytest.mark.both_backends
+
 COMMITTED = "/ledger-committed"
 
 
 @pytest.fixture
-def lab(request, lab_home):
-    with Lab.setup(f"tests-idempotency-{request.node.name}", quiet=True, fork_servers=True, extra_servers=("ledger",)) as lab:
+def lab(request, lab_home, database):
+    with Lab.setup(f"tests-idempotency-{request.node.name}", quiet=True, fork_servers=True, extra_servers=("ledger",),
+                   database_url=database.get("DATABASE_URL")) as lab:
         lab.without_approvals()  # a crash mid-payment with no gate before it (the gate: test_approval)
         yield lab
 

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from conftest import BACKENDS, database_env
+
 from sophos_lab.lab.children import child_environment
 from sophos_lab.lab.harness import dead_port_url
 from sophos_lab.lab.inspect import peek_runs
@@ -30,10 +32,11 @@ UNKNOWN = "0d4a3f0e-1b2c-4d5e-8f60-718293a4b5c6"
 MAX_BODY = 4096
 
 
-@pytest.fixture(scope="module")
-def server(lab, tmp_path_factory):
-    root = tmp_path_factory.mktemp("server")
-    with lab.server(DATABASE_PATH=str(root / "sophos.db"), SOPHOS_LAB_MAX_BODY_BYTES=str(MAX_BODY)) as server:
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request, lab, tmp_path_factory):
+    """One server for the module's tests, on a SQLite file and then on a PostgreSQL database."""
+    database = database_env(request, request.param, tmp_path_factory.mktemp("server") / "sophos.db")
+    with lab.server(**database, SOPHOS_LAB_MAX_BODY_BYTES=str(MAX_BODY)) as server:
         yield server
 
 

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from conftest import BACKENDS, database_env
+
 from sophos_lab.runtime.errors import REPLAY_GONE, SophosError
 from sophos_lab.runtime.service import ActiveRun
 
@@ -26,10 +28,11 @@ FRAME = re.compile(rb"id: (\d+)\nevent: ([a-z-]+)\ndata: ([^\n]*)\n\n")
 UNKNOWN = "0d4a3f0e-1b2c-4d5e-8f60-718293a4b5c6"
 
 
-@pytest.fixture(scope="module")
-def server(lab, tmp_path_factory):
-    root = tmp_path_factory.mktemp("server-sse")
-    with lab.server(DATABASE_PATH=str(root / "sophos.db"), SOPHOS_LAB_SSE_PING_SECONDS="0.2",
+@pytest.fixture(scope="module", params=BACKENDS)
+def server(request, lab, tmp_path_factory):
+    """One server for the module's tests, on a SQLite file and then on a PostgreSQL database."""
+    database = database_env(request, request.param, tmp_path_factory.mktemp("server-sse") / "sophos.db")
+    with lab.server(**database, SOPHOS_LAB_SSE_PING_SECONDS="0.2",
                     SOPHOS_LAB_EVENT_BUFFER=str(BUFFER)) as server:
         yield server
 
