@@ -264,6 +264,16 @@ def doctor(environ: Mapping[str, str] | None = None) -> int:
             stop_server(server)
         print(f"model     scripted model (no OLLAMA_HOST, so the lab starts one; not an LLM): {readiness.message}")
     problems += not readiness.ok
+    if settings.database_url:
+        from .runtime.postgres import check, is_postgres_url
+
+        ok, said = check(settings.database_url) if is_postgres_url(settings.database_url) else (
+            False, "DATABASE_URL is not a postgresql:// URL")
+        print(f"database  {said}")
+        problems += not ok
+    else:
+        there = "exists" if settings.database_path.exists() else "not created yet (the first run makes it)"
+        print(f"database  SQLite file {settings.database_path}: {there}")
     node = shutil.which("node", path=env.get("PATH"))
     print(f"node      {node or 'not found (the memory MCP server needs it)'}")
     problems += node is None

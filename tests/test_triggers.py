@@ -8,6 +8,8 @@ import pytest
 
 from sophos_lab.runtime.errors import BAD_REQUEST, IDEMPOTENCY_KEY_REUSED, SophosError
 
+pytestmark = pytest.mark.both_backends
+
 
 async def test_the_same_key_twice_starts_one_run_and_returns_it(open_service):
     async with open_service() as agent:

