@@ -182,3 +182,31 @@ def test_doctor_says_what_the_database_holds(url, tmp_path, capsys):
     assert not ok and "Cannot reach" in said
     assert doctor({**env, "DATABASE_URL": url.partition("?")[0] + f"?host={tmp_path}"}) >= 1
 
+
+
+def count_rows(url: str, conversation: str) -> dict[str, int]:
+    return {table: query(url, f"SELECT count(*) FROM {table} WHERE {column} = %s", conversation)[0][0]
+            for table, column in postgres._KEYED_TO_CONVERSATION}
+
+
+async def test_delete_takes_everything_keyed_to_the_conversation_and_a_dry_run_nothing(open_service, url, lab):
+    async with open_service(DATABASE_URL=url) as agent:
+        doomed = (await (await agent.chat(f"Fetch {lab.page('index.html')}")).wait()).data["conversation"]
+        kept = (await (await agent.chat("hello")).wait()).data["conversation"]
+        there = count_rows(url, doomed)
+        before = query(url, "SELECT * FROM checkpoints ORDER BY checkpoint_id")
+
+        planned = await agent.delete_conversation(doomed, dry_run=True)
+        assert count_rows(url, doomed) == there and query(url, "SELECT * FROM checkpoints ORDER BY checkpoint_id") == before
+        done = await agent.delete_conversation(doomed)
+
+        assert (planned.runs, planned.checkpoints, planned.writes, planned.bytes) == (
+            done.runs, done.checkpoints, done.writes, done.bytes)
+        assert (done.runs, done.checkpoints, done.writes) == (
+            there["runs"], there["checkpoints"], there["checkpoint_writes"])
+        assert done.bytes > 0 and there["checkpoint_blobs"] > 0
+        assert count_rows(url, doomed) == dict.fromkeys(there, 0)
+        assert [c.id for c in agent.list_conversations()] == [kept]
+        with pytest.raises(SophosError) as refused:
+            await agent.prune_conversation(kept)
+    assert refused.value.code == CONFIG_ERROR

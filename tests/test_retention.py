@@ -28,6 +28,8 @@ from sophos_lab.lab.inspect import checkpoints
 from sophos_lab.runtime.errors import BAD_REQUEST, NOT_FOUND, OWNERSHIP_LOST, SESSION_IN_PROGRESS, SophosError
 from sophos_lab.runtime.store import Store
 
+pytestmark = pytest.mark.both_backends
+
 KIT_ROOT = Path(__file__).resolve().parent.parent
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 UNKNOWN = "00000000-0000-4000-8000-000000000000"
@@ -478,6 +480,7 @@ async def test_vacuum_after_a_delete_gives_the_space_back_and_keeps_everything_e
     assert integrity(db_path) == "ok"
 
 
+@pytest.mark.sqlite_only  # PostgreSQL refuses vacuum outright (test_postgres.py)
 async def test_vacuum_is_refused_while_a_run_is_running(lab, open_service):
     lab.web.hold("/index.html")
     try:

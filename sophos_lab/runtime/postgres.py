@@ -41,6 +41,7 @@ from .checkpointer import FENCED, Notifying
 from .errors import (CANCELLED, CONFIG_ERROR, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW,
                      SESSION_IN_PROGRESS, STORAGE_FULL, SophosError)
 from .ownership import Owner, owner_gone
+from .retention import Removal
 from .store import (PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, ListingPosition,
                     Run, encode_cursor, title_from_message, unapplied_input, utc_now)
 
@@ -570,6 +571,46 @@ class PostgresStore:
         if conversation_id is not None:
             sql, params = sql + " WHERE conversation_id = %s", (conversation_id,)
         return [_run(row) for row in self.conn.execute(sql + " ORDER BY seq", params)]
+
+
+    # retention
+
+    def delete_conversation(self, conversation_id: str, me: Owner | None, dry_run: bool = False) -> Removal:
+        """`retention.delete_conversation` here: the conversation and everything keyed to it
+        (LangGraph's three tables, runs, gates, keys, prune records) in one transaction; what
+        went, counted, with the bytes of its rows (`pg_column_size`). A run of a live process
+        refuses it (`SESSION_IN_PROGRESS`), one of a gone owner goes with the rest. `dry_run`
+        counts in a transaction that is rolled back: nothing changes, not even a recovery."""
+        with self._lock, _refused_when_full(), self.conn.transaction():
+            conn = self.conn
+            if conn.execute("SELECT 1 FROM conversations WHERE id = %s FOR UPDATE", (conversation_id,)).fetchone() is None:
+                raise SophosError(NOT_FOUND, f"Conversation Not Found: {conversation_id}")
+            running = {row["id"] for row in conn.execute(
+                "SELECT id FROM runs WHERE conversation_id = %s AND status = 'running'", (conversation_id,))}
+            gone = set() if me is None else set(self._stale_runs(conn, conversation_id))
+            if running - gone:
+                raise SophosError(SESSION_IN_PROGRESS, (
+                    f"Conversation {conversation_id} has a run in progress in a live process; "
+                    "delete it once the run has finished. Nothing was changed."))
+            counts: dict[str, tuple[int, int]] = {}
+            for table, column in _KEYED_TO_CONVERSATION:
+                row = conn.execute(f"DELETE FROM {table} t WHERE {column} = %s RETURNING pg_column_size(t.*) AS size",
+                                   (conversation_id,)).fetchall()
+                counts[table] = (len(row), sum(r["size"] for r in row))
+            if dry_run:
+                raise psycopg.Rollback()  # leaves the block quietly: counted, nothing changed
+        return Removal(
+            "delete", conversation_id, runs=counts["runs"][0], checkpoints=counts["checkpoints"][0],
+            writes=counts["checkpoint_writes"][0], bytes=sum(size for _, size in counts.values()), dry_run=dry_run,
+        )
+
+
+# Children before parents: the checkpoint tables have no foreign keys, the kit's cascade anyway.
+_KEYED_TO_CONVERSATION = (
+    ("checkpoint_writes", "thread_id"), ("checkpoint_blobs", "thread_id"), ("checkpoints", "thread_id"),
+    ("prunes", "conversation_id"), ("idempotency_keys", "conversation_id"), ("gates", "conversation_id"),
+    ("runs", "conversation_id"), ("conversations", "id"),
+)
 
 
 # As SQLite's `_LISTING_SQL`: each conversation with its latest run, read off the index on

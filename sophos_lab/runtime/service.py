@@ -1012,7 +1012,8 @@ class AgentService:
         """
         conversation_id = parse_conversation_id(conversation)
         self._check_idle(conversation_id)
-        self._require_sqlite()
+        if self.settings.database_url:
+            return self.store.delete_conversation(conversation_id, self._retention_owner(), dry_run)
         path = self.settings.database_path
         # Read-only first: a refusal (unknown, running) writes nothing, not even an owner row.
         with retention.read_only(path) as conn:
@@ -1062,10 +1063,12 @@ class AgentService:
             raise SophosError(errors.NOT_FOUND, f"No database at {self.settings.database_path}")
 
     def _require_sqlite(self) -> None:
+        """Prune and vacuum are the SQLite file's (see docs/postgres.md for PostgreSQL's)."""
         if self.settings.database_url:
             raise SophosError(errors.CONFIG_ERROR, (
-                "Delete, prune and vacuum work on the SQLite file only, not yet on PostgreSQL "
-                "(DATABASE_URL is set); nothing was changed."))
+                "Prune and vacuum work on the SQLite file only (DATABASE_URL is set): on PostgreSQL, "
+                "LangGraph's saver cannot prune a delta channel's thread, and the server's autovacuum "
+                "reclaims deleted rows. Nothing was changed."))
 
     def _retention_owner(self) -> Owner | None:
         """Who judges whether a run's owner is gone: this store (a fresh identity before it is
