@@ -80,8 +80,9 @@ async def _turns(graph, config) -> float:
     return time.perf_counter() - start
 
 
-async def run_kit(url: str, folder: Path) -> float:
-    """Seconds for TURNS turns through the kit's service, every event consumed."""
+async def run_kit(url: str, folder: Path, database_url: str | None = None) -> float:
+    """Seconds for TURNS turns through the kit's service, every event consumed (on the SQLite
+    file in `folder`, or on PostgreSQL at `database_url`)."""
     config = folder / "config"
     config.mkdir(exist_ok=True)
     (config / "mcp.json").write_text("{}")
@@ -89,6 +90,7 @@ async def run_kit(url: str, folder: Path) -> float:
     settings = Settings.from_env({
         "OLLAMA_HOST": url, "OLLAMA_MODEL": "scripted", "DATABASE_PATH": str(folder / "kit.db"),
         "CONFIG_DIR": str(config), "MEMORY_FILE_PATH": str(folder / "memory.jsonl"),
+        **({"DATABASE_URL": database_url} if database_url else {}),
     })
     service = AgentService(settings)
     try:
