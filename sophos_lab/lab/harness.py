@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -100,6 +101,8 @@ class Lab:
     """Whether this lab's `python -m` stdio servers are forked (`Lab.setup(fork_servers=True)`)."""
     database_url: str | None = None
     """The PostgreSQL database of this lab (`Lab.setup(database_url=...)`); None: its SQLite file."""
+    postgres: Any = None
+    """The PostgreSQL server this lab started (`Lab.setup(postgres=True)`), else None."""
 
     @classmethod
     def setup(
@@ -113,6 +116,7 @@ class Lab:
         extra_servers: tuple[str, ...] | list[str] = (),
         fork_servers: bool = False,
         database_url: str | None = None,
+        postgres: bool = False,
     ) -> Lab:
         """A fresh lab: wipe `.lab/<name>/`, copy the config, start the model (unless a real
         Ollama is named by argument or `OLLAMA_HOST`: then a recording proxy in front of it) and
@@ -128,7 +132,9 @@ class Lab:
 
         `database_url` (a `postgresql://` URL) puts the lab's tables and checkpoints on that
         PostgreSQL database instead of the lab's SQLite file: its children get it as
-        `DATABASE_URL`, and its views read it."""
+        `DATABASE_URL`, and its views read it. `postgres=True` starts a real PostgreSQL server
+        for the lab (`postgres_server`: its data in a short folder under the temporary
+        directory, no TCP port) with a database of its own, and stops it at `close()`."""
         if isinstance(extra_servers, str):
             extra_servers = (extra_servers,)
         extras = {name: extra_server(name) for name in extra_servers}  # an unknown name fails before anything starts
@@ -164,6 +170,11 @@ class Lab:
         for extra in extras:
             lab.add_mcp_server(extra)
         lab.fork_servers = fork_servers
+        if postgres and database_url is None:
+            from . import postgres_server
+
+            lab.postgres = postgres_server.start(tempfile.mkdtemp(prefix="sophos-pg-"), stop_at_exit=True)
+            database_url = postgres_server.new_database(lab.postgres.url, "lab")
         lab.database_url = database_url
         lab._fork_python_servers()
         new_score()  # a fresh lab is a fresh pass at the lesson: its predictions count from zero
@@ -397,6 +408,10 @@ class Lab:
             stop_server(proc)
         self._children.clear()
         self._servers.clear()
+        if self.postgres is not None:
+            self.postgres.stop()
+            shutil.rmtree(self.postgres.folder, ignore_errors=True)
+            self.postgres = None
 
     def __enter__(self) -> Lab:
         return self

@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import psycopg
@@ -25,6 +26,12 @@ class PostgresServer:
     """The URL of its `postgres` database (the one to make others from)."""
     pid: int
     version: str
+    _handle: Any = field(default=None, repr=False, compare=False)
+
+    def stop(self) -> None:
+        """Stop the server (its data stays in `folder`)."""
+        if self._handle is not None:
+            self._handle.cleanup()
 
 
 def start(folder: str | Path, stop_at_exit: bool = True) -> PostgresServer:
@@ -42,7 +49,7 @@ def start(folder: str | Path, stop_at_exit: bool = True) -> PostgresServer:
     url = server.get_uri()
     with psycopg.connect(url, autocommit=True) as conn:
         version = conn.execute("SHOW server_version").fetchone()[0]
-    return PostgresServer(folder=folder, url=url, pid=server.get_pid(), version=version)
+    return PostgresServer(folder=folder, url=url, pid=server.get_pid(), version=version, _handle=server)
 
 
 def database_url(server_url: str, database: str) -> str:
