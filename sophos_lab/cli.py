@@ -344,6 +344,7 @@ def retention(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     env = lab_environment(environ)
     if args.database:
         env["DATABASE_PATH"] = args.database
+        env.pop("DATABASE_URL", None)  # the file named, not the server
     service = AgentService(Settings.from_env(env))
     path = service.settings.database_path
 
@@ -374,6 +375,28 @@ def retention(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         return 0
 
     return asyncio.run(run())
+
+
+def migrate_to_postgres(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """`migrate-to-postgres`: copy the lab's SQLite file (or `--database`) into PostgreSQL
+    (`--to`, else DATABASE_URL); 0 when copied and read back the same, else 1 with the reason."""
+    from .runtime.errors import SophosError
+    from .runtime.pg_copy import copy_to_postgres
+    from .runtime.postgres import is_postgres_url
+
+    env = lab_environment(environ)
+    settings = Settings.from_env({**env, **({"DATABASE_PATH": args.database} if args.database else {})})
+    url = args.to or env.get("DATABASE_URL")
+    if not is_postgres_url(url):
+        print("sophos-lab migrate-to-postgres: name the database with --to postgresql://... or DATABASE_URL",
+              file=sys.stderr)
+        return 1
+    try:
+        print(f"{settings.database_path}: {copy_to_postgres(settings.database_path, url).describe()}")
+    except SophosError as error:
+        print(f"sophos-lab migrate-to-postgres: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _add_retention_commands(commands: argparse._SubParsersAction) -> None:
@@ -436,6 +459,13 @@ def main(argv: list[str] | None = None) -> None:
     reset_parser.add_argument("lessons", nargs="*", metavar="LESSON", help="e.g. 00_start_here")
     commands.add_parser("worker", help="run the agent as a child process driven over stdin")
     _add_retention_commands(commands)
+    copy = commands.add_parser(
+        "migrate-to-postgres", help="copy a SQLite lab (conversations, checkpoint history, runs, gates) into PostgreSQL",
+        description="Copy everything the SQLite file holds into an empty PostgreSQL database, read every "
+                    "thread back from both and compare; refused while a live process runs a run in the file.")
+    copy.add_argument("--database", metavar="PATH",
+                      help="the SQLite file (default: DATABASE_PATH, else the lab's .lab/default/sophos.db)")
+    copy.add_argument("--to", metavar="URL", help="the PostgreSQL database (default: DATABASE_URL)")
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -458,6 +488,8 @@ def main(argv: list[str] | None = None) -> None:
         worker_main()
     elif args.command in ("delete", "prune", "vacuum"):
         sys.exit(retention(args))
+    elif args.command == "migrate-to-postgres":
+        sys.exit(migrate_to_postgres(args))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ pressing Resume itself and lesson 04 hanging up after one token (test_notebooks_
 says what each run of a lesson checks). Checks of what the model chose (which tool, how many calls, the
 text) are made for the scripted model only, and the lessons say so when they skip them.
 
-The lessons whose kill point needs a tool call (01, 04, 06d-06f, 07, 08b, 10, 16; 11's gated payment;
+The lessons whose kill point needs a tool call (01, 04, 06d-06f, 07, 08b, 10; 11's gated payment;
 12's held page) run against the server's hesitant tag, which first answers every such question in
 words, as a real model sometimes does: the lesson says so, asks again, and still reaches its kill
 point. The model failures of lesson 12 (HTTP 500s, a 400) come from the lab's recording proxy
@@ -31,7 +31,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
 KILL_POINT_NEEDS_A_TOOL_CALL = {
     "01_own_the_process", "04_streaming_is_not_persistence", "06d_crash_after_tool_result", "06e_graceful_shutdown",
     "06f_chat_and_resume", "07_side_effects_and_idempotency", "08a_local_first", "08b_runtime_ownership",
-    "09_life_of_one_run", "10_cancel", "11_approval_gate", "12_retries_and_timeouts", "16_outgrowing_one_file",
+    "09_life_of_one_run", "10_cancel", "11_approval_gate", "12_retries_and_timeouts",
 }
 
 

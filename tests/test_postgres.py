@@ -210,3 +210,83 @@ async def test_delete_takes_everything_keyed_to_the_conversation_and_a_dry_run_n
         with pytest.raises(SophosError) as refused:
             await agent.prune_conversation(kept)
     assert refused.value.code == CONFIG_ERROR
+
+
+# --- migrate-to-postgres -------------------------------------------------------------------
+
+
+async def test_a_sqlite_lab_copies_into_postgres_reads_back_the_same_and_resumes_there(lab, open_service, db_path, url):
+    from sophos_lab.runtime.pg_copy import copy_to_postgres
+
+    page = lab.page("wal.html")
+    async with open_service() as agent:  # on the SQLite file
+        first = await (await agent.chat(f"Fetch {lab.page('index.html')}", idempotency_key="k-1")).wait()
+        conversation = first.data["conversation"]
+        await (await agent.chat("And again?", conversation)).wait()
+        await agent.prune_conversation(conversation, keep=2)
+    with lab.worker(DATABASE_PATH=str(db_path)) as child:  # a run its process dies in
+        lab.model.arm("summary")
+        child.chat(f"Fetch {page} and summarize it in 12 detailed bullet points.")
+        crashed = child.conversation()
+        lab.model.wait_paused()
+        assert child.kill() == -9
+    lab.model.release()
+    fetches = lab.fetches("wal.html")
+
+    copied = copy_to_postgres(db_path, url)  # the crashed run's process is gone: relabelled first
+    async with open_service() as agent:
+        before = {c: (await agent.get_conversation(c)).messages for c in (conversation, crashed)}
+
+    assert (copied.conversations, copied.runs, copied.relabelled) == (2, 3, 1)
+    assert copied.checkpoints > 0 and copied.writes > 0
+    async with open_service(DATABASE_URL=url) as agent:
+        after = {c: (await agent.get_conversation(c)).messages for c in (conversation, crashed)}
+        assert after == before
+        assert [r.status for r in agent.store.list_runs(crashed)] == ["interrupted"]
+        assert agent.store.keyed_run("k-1").conversation_id == conversation
+        resumed = await (await agent.resume(crashed)).wait()
+        assert resumed.event == "end", resumed.data
+        assert [m["role"] for m in (await agent.get_conversation(crashed)).messages][-1] == "assistant"
+    assert lab.fetches("wal.html") == fetches  # resumed on PostgreSQL from the copied checkpoint
+    assert query(url, "SELECT count(*) FROM prunes") == [(1,)]
+
+    with pytest.raises(SophosError) as twice:
+        copy_to_postgres(db_path, url)
+    assert twice.value.code == CONFIG_ERROR and "not a merge" in twice.value.message
+
+
+def test_migrate_to_postgres_is_refused_while_a_live_process_runs_in_the_file(lab, db_path, url):
+    from sophos_lab.runtime.pg_copy import copy_to_postgres
+
+    with lab.worker(DATABASE_PATH=str(db_path)) as child:
+        lab.model.arm("summary")
+        child.chat(f"Fetch {lab.page('wal.html')} and summarize it in 12 detailed bullet points.")
+        lab.model.wait_paused()
+        with pytest.raises(SophosError) as refused:
+            copy_to_postgres(db_path, url)
+        lab.model.release()
+        assert child.wait_final()["event"] == "end"
+    assert refused.value.code == SESSION_IN_PROGRESS
+    assert query(url, "SELECT to_regclass('conversations') IS NULL") == [(True,)]  # not even migrated
+
+
+def test_the_cli_copies_a_lab_and_refuses_a_database_that_is_not_empty(lab, db_path, url):
+    async def one_turn():
+        from sophos_lab.runtime.service import AgentService
+
+        agent = AgentService(lab.settings(DATABASE_PATH=str(db_path)))
+        try:
+            await (await agent.chat("hello")).wait()
+        finally:
+            await agent.aclose()
+
+    asyncio.run(one_turn())
+    command = [sys.executable, "-m", "sophos_lab.cli", "migrate-to-postgres", "--database", str(db_path), "--to", url]
+    env = child_environment({})
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+    assert done.returncode == 0, done.stderr
+    assert "copied 1 conversations, 1 runs" in done.stdout and "every thread read back the same" in done.stdout
+    assert again.returncode == 1 and "not a merge" in again.stderr
+    assert query(url, "SELECT count(*) FROM conversations") == [(1,)]

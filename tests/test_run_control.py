@@ -226,6 +226,9 @@ def test_retry_settings_default_and_parse_as_the_other_settings():
     assert (custom.model_attempts, custom.tool_attempts, custom.retry_jitter) == (5, 1, True)
 
 
+# The retry and time-limit tests below test LangGraph's RetryPolicy and TimeoutPolicy as the kit
+# configures them, which no backend changes: they run on SQLite only (`sqlite_only`).
+@pytest.mark.sqlite_only
 async def test_two_server_errors_then_an_answer_retries_twice_with_the_backoff_in_the_trace(lab, open_service):
     lab.model.fail_next(2, status=500)
     async with open_service(SOPHOS_LAB_MODEL_ATTEMPTS="3", **FAST_RETRIES) as agent:
@@ -239,6 +242,7 @@ async def test_two_server_errors_then_an_answer_retries_twice_with_the_backoff_i
     assert [r["status"] for r in lab.model.requests()[-3:]] == [500, 500, 200]
 
 
+@pytest.mark.sqlite_only
 async def test_a_model_that_keeps_failing_ends_with_model_unreachable_naming_the_attempts(lab, open_service):
     lab.model.fail_next(3, status=503)
     async with open_service(SOPHOS_LAB_MODEL_ATTEMPTS="3", **FAST_RETRIES) as agent:
@@ -254,6 +258,7 @@ async def test_a_model_that_keeps_failing_ends_with_model_unreachable_naming_the
     assert (detail.next, detail.resumable) == (("agent",), True)
 
 
+@pytest.mark.sqlite_only
 async def test_a_dead_model_port_is_retried_then_model_unreachable(open_service):
     async with open_service(OLLAMA_HOST=dead_port_url(), SOPHOS_LAB_MODEL_ATTEMPTS="2", **FAST_RETRIES) as agent:
         events = await all_events(await agent.chat("Hello there"))
@@ -263,6 +268,7 @@ async def test_a_dead_model_port_is_retried_then_model_unreachable(open_service)
     assert [r["attempt"] for r in retries(events)] == [2]
 
 
+@pytest.mark.sqlite_only
 async def test_one_attempt_keeps_the_original_agent_failure(open_service):
     async with open_service(OLLAMA_HOST=dead_port_url(), SOPHOS_LAB_MODEL_ATTEMPTS="1") as agent:
         events = await all_events(await agent.chat("Hello there"))
@@ -271,6 +277,7 @@ async def test_one_attempt_keeps_the_original_agent_failure(open_service):
     assert retries(events) == []
 
 
+@pytest.mark.sqlite_only
 async def test_a_missing_model_is_never_retried(lab, open_service):
     before = lab.model_calls()
     async with open_service(OLLAMA_MODEL="does-not-exist", SOPHOS_LAB_MODEL_ATTEMPTS="3", **FAST_RETRIES) as agent:
@@ -281,6 +288,7 @@ async def test_a_missing_model_is_never_retried(lab, open_service):
     assert lab.model_calls() - before == 1
 
 
+@pytest.mark.sqlite_only
 async def test_a_client_error_is_not_retried(lab, open_service):
     lab.model.fail_next(1, status=400, message="bad request")
     async with open_service(SOPHOS_LAB_MODEL_ATTEMPTS="3", **FAST_RETRIES) as agent:
@@ -289,6 +297,7 @@ async def test_a_client_error_is_not_retried(lab, open_service):
     assert (events[-1].data["code"], retries(events)) == (AGENT_FAILURE, [])
 
 
+@pytest.mark.sqlite_only
 async def test_a_model_that_never_answers_is_cut_by_its_time_limit_and_retried(lab, open_service):
     # The limit bounds the second attempt too (a whole answer), on a machine that may be loaded.
     async with open_service(SOPHOS_LAB_MODEL_ATTEMPTS="2", SOPHOS_LAB_MODEL_TIMEOUT_SECONDS="3",
@@ -304,6 +313,7 @@ async def test_a_model_that_never_answers_is_cut_by_its_time_limit_and_retried(l
     assert [r.get("fault") for r in lab.model.requests()[-2:]] == ["hang", None]
 
 
+@pytest.mark.sqlite_only
 async def test_a_hanging_tool_is_cut_by_its_time_limit_and_the_run_fails_with_timeout(lab, open_service):
     page = lab.page("wal.html")
     lab.web.hold("/wal.html")
@@ -322,6 +332,7 @@ async def test_a_hanging_tool_is_cut_by_its_time_limit_and_the_run_fails_with_ti
     assert detail.next == ("tools",)
 
 
+@pytest.mark.sqlite_only
 async def test_a_hanging_tool_with_two_attempts_is_fetched_again_and_the_run_completes(lab, open_service):
     page = lab.page("wal.html")
     lab.web.hold("/wal.html")  # one request only: the second attempt's fetch is answered
@@ -338,6 +349,7 @@ async def test_a_hanging_tool_with_two_attempts_is_fetched_again_and_the_run_com
     assert lab.fetches("wal.html") - before == 2
 
 
+@pytest.mark.sqlite_only
 async def test_a_tools_own_error_result_is_data_not_a_retry(lab, open_service):
     async with open_service(SOPHOS_LAB_TOOL_ATTEMPTS="3", **FAST_RETRIES) as agent:
         events = await all_events(await agent.chat(f"Fetch {lab.page('missing.html')}"))

@@ -34,8 +34,13 @@ class PostgresServer:
             self._handle.cleanup()
 
 
-def start(folder: str | Path, stop_at_exit: bool = True) -> PostgresServer:
+def start(folder: str | Path, stop_at_exit: bool = True, durable: bool = True) -> PostgresServer:
     """Start (or find running) the server whose data is in `folder`; about 1 s the first time.
+
+    `durable=False` (the tests' server) turns off the server's own flushes to disk (`fsync`,
+    `synchronous_commit`): a commit is still a commit for every connection, and a killed client
+    loses nothing, but a crash of the server or the machine could lose its last commits. The
+    tests kill the kit's processes, never the server, so they test the same rules faster.
 
     Unix sockets have a 107-byte path limit: keep `folder` short (`/tmp/...`)."""
     folder = Path(folder)
@@ -49,6 +54,10 @@ def start(folder: str | Path, stop_at_exit: bool = True) -> PostgresServer:
     url = server.get_uri()
     with psycopg.connect(url, autocommit=True) as conn:
         version = conn.execute("SHOW server_version").fetchone()[0]
+        flush = "on" if durable else "off"
+        for setting in ("fsync", "synchronous_commit", "full_page_writes"):
+            conn.execute(f"ALTER SYSTEM SET {setting} = {flush}")
+        conn.execute("SELECT pg_reload_conf()")
     return PostgresServer(folder=folder, url=url, pid=server.get_pid(), version=version, _handle=server)
 
 
@@ -58,11 +67,12 @@ def database_url(server_url: str, database: str) -> str:
     return f"{head.rsplit('/', 1)[0]}/{quote(database)}" + (f"?{query}" if query else "")
 
 
-def new_database(server_url: str, prefix: str = "sophos") -> str:
-    """Make an empty database on the server; its URL."""
+def new_database(server_url: str, prefix: str = "sophos", template: str | None = None) -> str:
+    """Make a database on the server, empty or a copy of `template` (a database nobody is
+    connected to: PostgreSQL copies its files, faster than migrating a new one); its URL."""
     name = f"{re.sub(r'[^a-z0-9_]', '_', prefix.lower())[:40]}_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(server_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
     return database_url(server_url, name)
 
 
