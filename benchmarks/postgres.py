@@ -8,6 +8,10 @@ each variant on a fresh database of one embedded PostgreSQL server (Unix socket)
   (b) bare LangGraph, the same graph shape, `AsyncPostgresSaver` on a pool, durability "sync"
   (c) the kit's `AgentService` on a SQLite file
 
+and the storage of one thread of 200 turns of 4 KB (`growth.py`'s turns) in LangGraph's three
+tables (`pg_total_relation_size`: rows, TOAST and indexes), the kit's delta channel against bare
+LangGraph's default `add_messages` channel on `AsyncPostgresSaver`.
+
     python benchmarks/postgres.py
 
 `rows(quick)` gives the figures to `benchmarks/bench.py` (`make bench`).
@@ -36,6 +40,8 @@ from sophos_lab.standins._proc import stop_server  # noqa: E402
 from sophos_lab.standins.scripted_model import start_scripted_model  # noqa: E402
 
 ROUNDS = 9
+STORAGE_TURNS = 200
+LANGGRAPH_TABLES = ("checkpoints", "checkpoint_blobs", "checkpoint_writes")
 
 
 async def run_bare_postgres(url: str, database_url: str) -> float:
@@ -73,7 +79,64 @@ async def measure(rounds: int = ROUNDS) -> dict[str, list[float]]:
     return results
 
 
+def table_bytes(database_url: str) -> int:
+    import psycopg
+
+    with psycopg.connect(database_url) as conn:
+        return conn.execute("SELECT sum(pg_total_relation_size(c.oid))::bigint FROM pg_class c WHERE relname = ANY(%s)",
+                            (list(LANGGRAPH_TABLES),)).fetchone()[0]
+
+
+async def storage(turns: int = STORAGE_TURNS) -> dict[str, int]:
+    """Bytes of LangGraph's tables after one thread of `turns` 4 KB turns, each side on a fresh
+    database; and the raw bytes of the thread's user messages."""
+    from growth import user_message
+    from langchain_core.messages import HumanMessage
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+    from sophos_lab.runtime.service import AgentService
+    from sophos_lab.runtime.settings import Settings
+
+    folder = Path(tempfile.mkdtemp(prefix="sophos-pg-bench-"))
+    server = postgres_server.start(folder / "pg")
+    model, url = start_scripted_model(ROOT / "data" / "scripts")
+    found = {"raw": sum(len(user_message(t).encode()) for t in range(turns))}
+    try:
+        kit_db, bare_db = (postgres_server.new_database(server.url, name) for name in ("kit", "bare"))
+        config = folder / "config"
+        config.mkdir()
+        (config / "mcp.json").write_text("{}")
+        (config / "system.md").write_text("You are a benchmark.")
+        service = AgentService(Settings.from_env({
+            "OLLAMA_HOST": url, "OLLAMA_MODEL": "scripted", "DATABASE_URL": kit_db, "CONFIG_DIR": str(config),
+            "MEMORY_FILE_PATH": str(folder / "memory.jsonl"), "DATABASE_PATH": str(folder / "unused.db")}))
+        try:
+            conversation = None
+            for turn in range(turns):
+                run = await service.chat(user_message(turn), conversation)
+                conversation = run.conversation
+                await run.wait()
+        finally:
+            await service.aclose()
+        found["kit"] = table_bytes(kit_db)
+        kwargs = {"autocommit": True, "row_factory": dict_row, "prepare_threshold": None}
+        async with AsyncConnectionPool(bare_db, kwargs=kwargs, open=False) as pool:
+            saver = AsyncPostgresSaver(pool)
+            await saver.setup()
+            graph = bare_graph(url, saver)
+            config_ = {"configurable": {"thread_id": "bench"}, "recursion_limit": 25}
+            for turn in range(turns):
+                await graph.ainvoke({"messages": [HumanMessage(user_message(turn))]}, config_, durability="sync")
+        found["bare"] = table_bytes(bare_db)
+    finally:
+        stop_server(model)
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    return found
+
+
 def rows(quick: bool = False) -> list[dict]:
+    sizes = asyncio.run(storage(turns=50 if quick else STORAGE_TURNS))
     results = asyncio.run(measure(rounds=3 if quick else ROUNDS))
     ms = {name: [value * 1000 for value in values] for name, values in results.items()}
     scale = f"{TURNS}-turn conversation, embedded PostgreSQL 18 on a Unix socket"
@@ -82,12 +145,18 @@ def rows(quick: bool = False) -> list[dict]:
          "kit_runs": ms["kit"], "bare_runs": ms["bare"], "unit": "ms"},
         {"benchmark": "postgres", "measure": f"time per step, kit on PostgreSQL; bare column = the kit on its SQLite file ({scale})",
          "kit_runs": ms["kit"], "bare_runs": ms["sqlite"], "unit": "ms"},
+        {"benchmark": "postgres", "measure": f"LangGraph's tables after one {50 if quick else STORAGE_TURNS}-turn thread of 4 KB "
+         f"turns ({sizes['raw'] / 1e6:.2f} MB of user text); bare = the default add_messages channel",
+         "kit_runs": [sizes["kit"] / 1e6], "bare_runs": [sizes["bare"] / 1e6], "unit": "MB"},
     ]
 
 
 async def main() -> None:
     from bench import machine
 
+    sizes = await storage()
+    print(f"{STORAGE_TURNS}-turn thread of 4 KB turns ({sizes['raw'] / 1e6:.2f} MB of user text), LangGraph's tables: "
+          f"kit {sizes['kit'] / 1e6:.1f} MB, bare add_messages {sizes['bare'] / 1e6:.1f} MB")
     results = await measure()
     print(f"Machine: {machine()}")
     for label, name in (("(a) kit on PostgreSQL", "kit"), ("(b) LangGraph + AsyncPostgresSaver", "bare"),

@@ -1,5 +1,6 @@
 """`sophos-lab`: start JupyterLab on the lessons, check the surroundings (`doctor`), serve the
-scripted model, reset lab state, and keep a database small (`delete`, `prune`, `vacuum`)."""
+scripted model, reset lab state, keep a database small (`delete`, `prune`, `vacuum`), and copy a
+SQLite lab into PostgreSQL (`migrate-to-postgres`)."""
 
 from __future__ import annotations
 
