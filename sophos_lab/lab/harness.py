@@ -20,6 +20,7 @@ merges `config/extras/ledger.json` into the lab's copy, so only that lab offers 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -173,7 +174,10 @@ class Lab:
         if postgres and database_url is None:
             from . import postgres_server
 
-            lab.postgres = postgres_server.start(tempfile.mkdtemp(prefix="sophos-pg-"), stop_at_exit=True)
+            # One folder per lab (short: a socket's path has at most 107 bytes), so that a lab set up
+            # again after its kernel died finds that kernel's server instead of leaving it behind.
+            folder = Path(tempfile.gettempdir()) / f"sophos-pg-{hashlib.sha1(str(root).encode()).hexdigest()[:10]}"
+            lab.postgres = postgres_server.start(folder, stop_at_exit=True)
             database_url = postgres_server.new_database(lab.postgres.url, "lab")
         lab.database_url = database_url
         lab._fork_python_servers()
