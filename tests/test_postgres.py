@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import threading
+import uuid
 
 import psycopg
 import pytest
@@ -23,8 +24,9 @@ from sophos_lab.cli import doctor
 from sophos_lab.lab import postgres_server
 from sophos_lab.lab.children import child_environment
 from sophos_lab.runtime import postgres
-from sophos_lab.runtime.errors import CONFIG_ERROR, SESSION_IN_PROGRESS, SophosError
+from sophos_lab.runtime.errors import CONFIG_ERROR, NOT_FOUND, SESSION_IN_PROGRESS, SophosError
 from sophos_lab.runtime.postgres import PostgresStore
+from sophos_lab.runtime.store import Gate, ListingPosition, encode_cursor
 from sophos_lab.runtime.service import AgentService
 from sophos_lab.runtime.settings import Settings
 
@@ -290,3 +292,64 @@ def test_the_cli_copies_a_lab_and_refuses_a_database_that_is_not_empty(lab, db_p
     assert "copied 1 conversations, 1 runs" in done.stdout and "every thread read back the same" in done.stdout
     assert again.returncode == 1 and "not a merge" in again.stderr
     assert query(url, "SELECT count(*) FROM conversations") == [(1,)]
+
+
+# --- what a review found ---------------------------------------------------------------------
+
+
+def test_a_store_that_does_not_own_the_run_records_no_outcome_no_cancel_and_no_second_decision(url):
+    owner, other = PostgresStore(url), PostgresStore(url)
+    owner.start_run("r-1", "c-1", [{"id": "m-1", "content": "hello"}], title="hello")
+    other.conn  # noqa: B018
+
+    assert other.finish_run("r-1", "completed", 99) is False
+    assert other.request_cancel("r-1") is False
+    assert other.request_cancel("no-such-run") is False
+    assert owner.get_run("r-1").status == "running" and owner.get_run("r-1").cancel_requested_at is None
+    assert owner.get_conversation("c-1").message_count == 1  # the start's own message, not 99
+
+    gate = Gate("g-1", "c-1", "r-1", [{"id": "call-1", "name": "pay", "args": {}}], "")
+    assert owner.finish_run("r-1", "waiting", 2, gate=gate)
+    owner.start_run("r-2", "c-1", decision=(gate, {"call-1": {"decision": "approve"}}))
+    assert owner.finish_run("r-2", "completed", 3)
+    with pytest.raises(SophosError) as decided:
+        other.start_run("r-3", "c-1", decision=(gate, {"call-1": {"decision": "reject"}}))
+    assert decided.value.code == "GATE_DECIDED"
+    assert [run.id for run in owner.list_runs("c-1")] == ["r-1", "r-2"]
+    owner.close()
+    other.close()
+
+
+async def test_bad_ids_and_nul_characters_get_the_kit_s_errors_on_postgresql(open_service, url):
+    async with open_service(DATABASE_URL=url) as agent:
+        with pytest.raises(SophosError) as unknown:
+            await agent.delete_conversation(str(uuid.uuid4()))
+        run = await agent.chat("a title with a \x00 in it")
+        await run.wait()
+        detail = await agent.get_conversation(run.conversation)
+        with pytest.raises(SophosError) as cursor:
+            agent.conversation_page(cursor=encode_cursor(ListingPosition("\x00", 1)))
+    assert unknown.value.code == NOT_FOUND
+    assert detail.messages[0]["content"] == "a title with a \x00 in it"  # the message itself, exactly
+    assert detail.conversation.title == "a title with a \ufffd in it"
+    assert cursor.value.code == "BAD_REQUEST"
+
+
+def test_lab_sql_on_postgresql_keeps_percent_signs_and_question_marks_in_literals(url):
+    from sophos_lab.lab.inspect import sql
+
+    frame = sql(url, "SELECT 'run%' LIKE 'run%' AS percent, '?' AS mark, ? AS param", ("given",))
+    assert frame.values.tolist() == [[True, "?", "given"]]
+
+
+def test_a_store_whose_connection_the_server_ended_opens_again_as_the_same_owner(url):
+    store = PostgresStore(url)
+    store.create_conversation("c-1", "hello")
+    owner = store.owner.id
+    query(url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+               " AND pid != pg_backend_pid()")
+    with pytest.raises(psycopg.OperationalError):
+        store.get_conversation("c-1")  # the call that finds the connection gone fails ...
+    assert store.get_conversation("c-1").title == "hello"  # ... and the next one opens again
+    assert store.owner.id == owner
+    store.close()

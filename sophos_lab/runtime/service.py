@@ -82,8 +82,9 @@ def parse_message(value: object) -> str:
 def parse_id(value: object, what: str) -> str:
     """A gate's or a tool call's id (`what` names which): a non-empty string that UTF-8 can
     encode, as every id stored in the database is; anything else can name nothing there."""
-    if not isinstance(value, str) or not value:
-        raise SophosError(errors.BAD_REQUEST, f"{what} {value!r} is not a non-empty string. Nothing was decided.")
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise SophosError(errors.BAD_REQUEST, (
+            f"{what} {value!r} is not a non-empty string without NUL characters. Nothing was decided."))
     return storable(value, what, "Nothing was decided.")
 
 

@@ -235,6 +235,8 @@ def decode_cursor(cursor: object) -> ListingPosition:
         updated_at, rowid = json.loads(raw)
         if isinstance(updated_at, str):
             updated_at.encode("utf-8")  # JSON's \u escapes spell lone surrogates, which SQLite cannot bind
+            if "\x00" in updated_at:  # and NUL, which no listing position holds (PostgreSQL cannot bind it)
+                raise ValueError(updated_at)
     except (binascii.Error, ValueError, TypeError):  # UnicodeEncodeError is a ValueError
         raise bad from None
     if not isinstance(updated_at, str) or type(rowid) is not int or not 1 <= rowid <= 2**63 - 1:  # SQLite's integers
