@@ -12,9 +12,18 @@ from sophos_lab.runtime.store import SCHEMA_VERSION, IdempotencyKey, Store, titl
 CONVERSATION = "6f1c7f1e-9a62-4c4e-9a55-0c2b1f0e6a11"
 
 
+pytestmark = pytest.mark.both_backends  # the tests that take `store` alone run on PostgreSQL too
+
+
 @pytest.fixture
-def store(db_path):
-    store = Store(db_path)
+def store(database):
+    """The application tables on this test's database: the SQLite file, or PostgreSQL."""
+    if "DATABASE_URL" in database:
+        from sophos_lab.runtime.postgres import PostgresStore
+
+        store = PostgresStore(database["DATABASE_URL"])
+    else:
+        store = Store(Path(database["DATABASE_PATH"]))
     yield store
     store.close()
 
