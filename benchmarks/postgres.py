@@ -8,7 +8,9 @@ each variant on a fresh database of one embedded PostgreSQL server (Unix socket)
   (b) bare LangGraph, the same graph shape, `AsyncPostgresSaver` on a pool, durability "sync"
   (c) the kit's `AgentService` on a SQLite file
 
-and the storage of one thread of 200 turns of 4 KB (`growth.py`'s turns) in LangGraph's three
+the whole listing and a first page of 10,000 conversations of 3 runs each (`listing.py`'s rows,
+copied into PostgreSQL), the kit on PostgreSQL against the kit on its SQLite file, and the storage
+of one thread of 200 turns of 4 KB (`growth.py`'s turns) in LangGraph's three
 tables (`pg_total_relation_size`: rows, TOAST and indexes), the kit's delta channel against bare
 LangGraph's default `add_messages` channel on `AsyncPostgresSaver`.
 
@@ -135,7 +137,52 @@ async def storage(turns: int = STORAGE_TURNS) -> dict[str, int]:
     return found
 
 
+def listing(conversations: int, repeat: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Milliseconds of `list_conversations()` and of a first page of 50, each on PostgreSQL
+    and on the SQLite file with the same rows, alternating."""
+    import psycopg
+    from listing import fill, paired_ms
+
+    from sophos_lab.runtime.postgres import PostgresStore
+    from sophos_lab.runtime.store import Store
+
+    folder = Path(tempfile.mkdtemp(prefix="sophos-pg-bench-"))
+    server = postgres_server.start(folder / "pg")
+    try:
+        path = folder / "listing.db"
+        fill(path, conversations)
+        url = postgres_server.new_database(server.url, "listing")
+        PostgresStore(url).conn.close()  # migrated
+        import sqlite3
+
+        source = sqlite3.connect(path)
+        with psycopg.connect(url) as conn, conn.cursor() as cursor:
+            cursor.executemany("INSERT INTO conversations (id, title, created_at, updated_at, message_count)"
+                               " VALUES (%s, %s, %s, %s, %s)", source.execute(
+                                   "SELECT id, title, created_at, updated_at, message_count FROM conversations ORDER BY rowid"))
+            cursor.executemany("INSERT INTO runs (id, conversation_id, status, started_at, finished_at)"
+                               " VALUES (%s, %s, %s, %s, %s)", source.execute(
+                                   "SELECT id, conversation_id, status, started_at, finished_at FROM runs ORDER BY rowid"))
+            cursor.execute("ANALYZE")
+        source.close()
+        on_postgres, on_sqlite = PostgresStore(url), Store(path)
+        try:
+            assert on_postgres.list_conversations() == on_sqlite.list_conversations()  # the same rows, in order
+            return {
+                "whole": paired_ms(on_postgres.list_conversations, on_sqlite.list_conversations, repeat),
+                "page": paired_ms(on_postgres.conversation_page, on_sqlite.conversation_page, repeat),
+            }
+        finally:
+            on_postgres.close()
+            on_sqlite.close()
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def rows(quick: bool = False) -> list[dict]:
+    count = 1000 if quick else 10_000
+    listed = listing(count, 5 if quick else 21)
     sizes = asyncio.run(storage(turns=50 if quick else STORAGE_TURNS))
     results = asyncio.run(measure(rounds=3 if quick else ROUNDS))
     ms = {name: [value * 1000 for value in values] for name, values in results.items()}
@@ -148,6 +195,12 @@ def rows(quick: bool = False) -> list[dict]:
         {"benchmark": "postgres", "measure": f"LangGraph's tables after one {50 if quick else STORAGE_TURNS}-turn thread of 4 KB "
          f"turns ({sizes['raw'] / 1e6:.2f} MB of user text); bare = the default add_messages channel",
          "kit_runs": [sizes["kit"] / 1e6], "bare_runs": [sizes["bare"] / 1e6], "unit": "MB"},
+        {"benchmark": "postgres", "measure": f"the whole listing of {count:,} conversations (3 runs each), kit on "
+         "PostgreSQL; bare column = the kit on its SQLite file, the same rows",
+         "kit_runs": listed["whole"][0], "bare_runs": listed["whole"][1], "unit": "ms"},
+        {"benchmark": "postgres", "measure": f"the first page (50) of {count:,} conversations, kit on PostgreSQL; "
+         "bare column = the kit on its SQLite file",
+         "kit_runs": listed["page"][0], "bare_runs": listed["page"][1], "unit": "ms"},
     ]
 
 
