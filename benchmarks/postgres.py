@@ -26,6 +26,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from psycopg.rows import dict_row
@@ -180,8 +181,66 @@ def listing(conversations: int, repeat: int) -> dict[str, tuple[list[float], lis
         shutil.rmtree(folder, ignore_errors=True)
 
 
+SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
+
+
+def kill_then_the_other_resumes(lab) -> float:
+    """Seconds from the SIGKILL of worker A, mid-answer, to the `started` of the resume through
+    worker B, which had the database open before (on this host a dead pid is gone at once)."""
+    a, b = lab.worker(), lab.worker()
+    try:
+        b.conversations()
+        b.wait_for("conversations")
+        lab.model.arm("summary")
+        a.chat(SUMMARISE.format(url=lab.page("wal.html")))
+        conversation = a.conversation()
+        a.wait_for("trace", event="result")
+        lab.model.wait_paused()
+        killed = time.perf_counter()
+        a.kill()
+        b.resume(conversation)
+        b.wait_for("started")
+        started = time.perf_counter()
+        lab.model.release()  # the stream the killed child was reading
+        final = b.wait_final()
+        if final["event"] != "end":
+            raise RuntimeError(f"the resume did not complete: {final}")
+        return started - killed
+    finally:
+        a.close()
+        b.close()
+
+
+def takeover(rounds: int) -> dict[str, list[float]]:
+    """`kill_then_the_other_resumes` on a PostgreSQL lab and on a SQLite lab, interleaved."""
+    import os
+
+    from sophos_lab.lab.harness import Lab
+
+    found: dict[str, list[float]] = {"postgres": [], "sqlite": []}
+    with tempfile.TemporaryDirectory() as home:
+        saved = {name: os.environ.get(name) for name in ("SOPHOS_LAB_HOME", "OLLAMA_HOST", "OLLAMA_MODEL")}
+        os.environ["SOPHOS_LAB_HOME"] = home
+        os.environ.pop("OLLAMA_HOST", None)
+        os.environ.pop("OLLAMA_MODEL", None)
+        try:
+            with Lab.setup("bench-pg-takeover", quiet=True, postgres=True) as on_postgres, \
+                    Lab.setup("bench-sqlite-takeover", quiet=True) as on_sqlite:
+                for _ in range(rounds):
+                    found["postgres"].append(kill_then_the_other_resumes(on_postgres))
+                    found["sqlite"].append(kill_then_the_other_resumes(on_sqlite))
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    return found
+
+
 def rows(quick: bool = False) -> list[dict]:
     count = 1000 if quick else 10_000
+    taken = takeover(1 if quick else 5)
     listed = listing(count, 5 if quick else 21)
     sizes = asyncio.run(storage(turns=50 if quick else STORAGE_TURNS))
     results = asyncio.run(measure(rounds=3 if quick else ROUNDS))
@@ -201,6 +260,9 @@ def rows(quick: bool = False) -> list[dict]:
         {"benchmark": "postgres", "measure": f"the first page (50) of {count:,} conversations, kit on PostgreSQL; "
          "bare column = the kit on its SQLite file",
          "kit_runs": listed["page"][0], "bare_runs": listed["page"][1], "unit": "ms"},
+        {"benchmark": "postgres", "measure": "SIGKILL of one worker mid-answer -> the other worker's resume, first event "
+         "(forked workers, one host), kit on PostgreSQL; bare column = the kit on its SQLite file",
+         "kit_runs": taken["postgres"], "bare_runs": taken["sqlite"], "unit": "s"},
     ]
 
 
