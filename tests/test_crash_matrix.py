@@ -593,10 +593,10 @@ class WriteReference:
         return next(turn for turn, end in enumerate(self.ends) if n <= end)
 
 
-async def write_reference(lab: Lab, scenario: Scenario, label: str) -> WriteReference:
+async def write_reference(lab: Lab, scenario: Scenario, label: str, postgres_url: str | None = None) -> WriteReference:
     """The uninterrupted scenario in a worker that names each commit it makes
     (`SOPHOS_LAB_TRACE_WRITES`)."""
-    files = Lane(lab).files(f"{scenario.name}-{label}")
+    files = Lane(lab, postgres_url).files(f"{scenario.name}-{label}")
     before = count_effects(lab, files)
     ends: list[int] = []
     with lab.worker(**files, SOPHOS_LAB_TRACE_WRITES="1") as child:
@@ -636,7 +636,7 @@ async def run_write_point(lab: Lab, which: str, mode: str, n: int, ref: WriteRef
         await asyncio.to_thread(wait_gone, servers)
     finally:
         child.close()
-    db_path = Path(files["DATABASE_PATH"])
+    db_path = database(files)
     if conversation is None:  # stopped at its first run's row, before `started` was told
         conversation = peek_runs(db_path)["conversation_id"].iloc[-1]
     point.disk = run_statuses(db_path, conversation)
@@ -669,16 +669,17 @@ async def run_write_point(lab: Lab, which: str, mode: str, n: int, ref: WriteRef
         point.problems.append(f"transcript differs: roles {[m['role'] for m in final]}")
     if point.rerun or done["payments"] != effects["payments"]:
         point.problems.append(f"effects {done}, uninterrupted {effects}")
-    check = integrity(db_path)
+    check = checked(files)
     if check != "ok":
         point.problems.append(f"integrity_check: {check}")
     return point
 
 
-async def write_matrix(labs: list[Lab], which: str, mode: str) -> list[WritePoint]:
-    """The scenario's points, on a lab per lane (each counts its own fetches and model calls)."""
+async def write_matrix(labs: list[Lab], which: str, mode: str, postgres_url: str | None = None) -> list[WritePoint]:
+    """The scenario's points, on a lab per lane (each counts its own fetches and model calls),
+    each lane on a SQLite file, or on a PostgreSQL database of the server at `postgres_url`."""
     scenario = next(s for s in scenarios(labs[0]) if s.name == which)
-    ref = await write_reference(labs[0], scenario, f"{mode}-reference")
+    ref = await write_reference(labs[0], scenario, f"{mode}-reference", postgres_url)
     first = ref.ends[scenario.kill_from_turn - 1] + 1 if scenario.kill_from_turn else 1
     numbers = list(range(first, len(ref.writes) + 1))
     lanes = [numbers[i::len(labs)] for i in range(len(labs))]
@@ -697,7 +698,7 @@ async def write_matrix(labs: list[Lab], which: str, mode: str) -> list[WritePoin
         found = []
         shared = which != "gated payment"
         for group in ([mine] if shared else [[n] for n in mine]):
-            files = Lane(lab).files(f"{which}-{mode}-{group[0]:02d}")
+            files = Lane(lab, postgres_url).files(f"{which}-{mode}-{group[0]:02d}")
             service = lab.service(**files)
             try:
                 found += [await point(lab, n, files, service) for n in group]
@@ -744,6 +745,17 @@ def test_a_kill_right_after_any_commit_leaves_nothing_stuck_lost_or_run_twice(wr
     labs = write_labs["ledger" if which == "gated payment" else "plain"]
     points = asyncio.run(asyncio.wait_for(write_matrix(labs, which, mode), MATRIX_TIMEOUT))
     report = write_table(which, mode, points)
+    print("\n" + report)
+    assert points and not any(p.problems for p in points), report
+
+
+def test_on_postgresql_a_kill_right_after_any_commit_leaves_nothing_stuck_lost_or_run_twice(write_labs, postgres):
+    """The same kill points on PostgreSQL (SIGKILL, the fetch): each of a step's commits there is
+    one transaction of LangGraph's Postgres saver, and the window between a task's writes and the
+    step's checkpoint is the same."""
+    points = asyncio.run(asyncio.wait_for(
+        write_matrix(write_labs["plain"], "fetch-and-summarise", "SIGKILL", postgres.url), MATRIX_TIMEOUT))
+    report = write_table("fetch-and-summarise on PostgreSQL", "SIGKILL", points)
     print("\n" + report)
     assert points and not any(p.problems for p in points), report
 
