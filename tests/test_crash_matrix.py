@@ -252,7 +252,8 @@ class Lane:
         self.message = MESSAGE.format(first=lab.page(PAGES[0]), second=lab.page(PAGES[1]))
 
     def files(self, label: str) -> dict[str, str]:
-        folder = self.lab.root / "points" / label
+        # A lab may serve a scenario on both backends in one session: their points' folders differ.
+        folder = self.lab.root / "points" / (f"postgres-{label}" if self.postgres_url else label)
         folder.mkdir(parents=True)
         database = {}
         if self.postgres_url:
