@@ -181,12 +181,11 @@ def listing(conversations: int, repeat: int) -> dict[str, tuple[list[float], lis
         shutil.rmtree(folder, ignore_errors=True)
 
 
-SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
-
-
 def kill_then_the_other_resumes(lab) -> float:
     """Seconds from the SIGKILL of worker A, mid-answer, to the `started` of the resume through
     worker B, which had the database open before (on this host a dead pid is gone at once)."""
+    from startup import SUMMARISE
+
     a, b = lab.worker(), lab.worker()
     try:
         b.conversations()
@@ -213,28 +212,14 @@ def kill_then_the_other_resumes(lab) -> float:
 
 def takeover(rounds: int) -> dict[str, list[float]]:
     """`kill_then_the_other_resumes` on a PostgreSQL lab and on a SQLite lab, interleaved."""
-    import os
-
-    from sophos_lab.lab.harness import Lab
+    from startup import lab_in
 
     found: dict[str, list[float]] = {"postgres": [], "sqlite": []}
-    with tempfile.TemporaryDirectory() as home:
-        saved = {name: os.environ.get(name) for name in ("SOPHOS_LAB_HOME", "OLLAMA_HOST", "OLLAMA_MODEL")}
-        os.environ["SOPHOS_LAB_HOME"] = home
-        os.environ.pop("OLLAMA_HOST", None)
-        os.environ.pop("OLLAMA_MODEL", None)
-        try:
-            with Lab.setup("bench-pg-takeover", quiet=True, postgres=True) as on_postgres, \
-                    Lab.setup("bench-sqlite-takeover", quiet=True) as on_sqlite:
-                for _ in range(rounds):
-                    found["postgres"].append(kill_then_the_other_resumes(on_postgres))
-                    found["sqlite"].append(kill_then_the_other_resumes(on_sqlite))
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    with tempfile.TemporaryDirectory() as home, lab_in(Path(home), "bench-pg-takeover", postgres=True) as on_postgres, \
+            lab_in(Path(home), "bench-sqlite-takeover") as on_sqlite:
+        for _ in range(rounds):
+            found["postgres"].append(kill_then_the_other_resumes(on_postgres))
+            found["sqlite"].append(kill_then_the_other_resumes(on_sqlite))
     return found
 
 

@@ -65,15 +65,16 @@ BARE_IMPORTS = (
 
 
 @contextmanager
-def lab_in(folder: Path):
-    """A lab of the kit in `folder`, with the scripted model (whatever OLLAMA_HOST says)."""
+def lab_in(folder: Path, name: str = "bench-startup", **setup: object):
+    """A lab of the kit in `folder`, with the scripted model (whatever OLLAMA_HOST says);
+    `setup` goes to `Lab.setup` (e.g. `postgres=True`)."""
     names = ("SOPHOS_LAB_HOME", "OLLAMA_HOST", "OLLAMA_MODEL", "JUPYTER_RUNTIME_DIR")
     saved = {name: os.environ.get(name) for name in names}
     os.environ.update(SOPHOS_LAB_HOME=str(folder), JUPYTER_RUNTIME_DIR=str(folder / "jupyter-runtime"))
     os.environ.pop("OLLAMA_HOST", None)
     os.environ.pop("OLLAMA_MODEL", None)
     try:
-        with Lab.setup("bench-startup", quiet=True) as lab:
+        with Lab.setup(name, quiet=True, **setup) as lab:
             yield lab
     finally:
         for name, value in saved.items():

@@ -38,11 +38,11 @@ import psycopg
 from psycopg.rows import dict_row, tuple_row
 
 from .checkpointer import FENCED, Notifying
-from .errors import (CANCELLED, CANCELLED_MESSAGE, CONFIG_ERROR, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, NOT_FOUND,
+from .errors import (CONFIG_ERROR, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, NOT_FOUND,
                      SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, STORAGE_FULL, SophosError)
 from .ownership import Owner, owner_gone
 from .retention import Removal
-from .store import (PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, ListingPosition,
+from .store import (PAGE_SIZE, RELABELLED, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, ListingPosition,
                     Run, encode_cursor, title_from_message, unapplied_input, utc_now)
 
 log = logging.getLogger(__name__)
@@ -301,14 +301,7 @@ def _owner_row(row: dict) -> dict | None:
     return {**row, "lease_expires_at": time.time() + row["lease_left"]}
 
 
-_RELABEL = f"""
-UPDATE runs SET
-    status = CASE WHEN cancel_requested_at IS NULL THEN 'interrupted' ELSE 'cancelled' END,
-    error_code = CASE WHEN cancel_requested_at IS NULL THEN error_code ELSE '{CANCELLED}' END,
-    error_message = CASE WHEN cancel_requested_at IS NULL THEN error_message ELSE '{CANCELLED_MESSAGE}' END,
-    finished_at = %s
-WHERE status = 'running' AND id = ANY(%s)
-RETURNING id, conversation_id"""
+_RELABEL = f"UPDATE runs SET {RELABELLED} finished_at = %s WHERE status = 'running' AND id = ANY(%s) RETURNING id, conversation_id"
 
 
 class PostgresStore:

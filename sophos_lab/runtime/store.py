@@ -498,13 +498,12 @@ def stale_runs(conn: sqlite3.Connection, me: Owner, conversation_id: str | None 
 
 # A stranded run is `interrupted`, unless a cancel was accepted for it before its process died:
 # then it is `cancelled`, as it would have been recorded.
-_RELABEL = f"""
-UPDATE runs SET
+RELABELLED = f"""
     status = CASE WHEN cancel_requested_at IS NULL THEN 'interrupted' ELSE 'cancelled' END,
     error_code = CASE WHEN cancel_requested_at IS NULL THEN error_code ELSE '{CANCELLED}' END,
-    error_message = CASE WHEN cancel_requested_at IS NULL THEN error_message ELSE '{CANCELLED_MESSAGE}' END,
-    finished_at = ?
-WHERE status = 'running'"""
+    error_message = CASE WHEN cancel_requested_at IS NULL THEN error_message ELSE '{CANCELLED_MESSAGE}' END,"""
+"""What a relabelled run's row becomes, in SQL both backends share (each adds `finished_at`)."""
+_RELABEL = f"UPDATE runs SET {RELABELLED} finished_at = ? WHERE status = 'running'"
 
 
 def relabel_interrupted(conn: sqlite3.Connection, run_ids: list[str], path: str | Path | None = None) -> int:
