@@ -56,7 +56,7 @@ def shown_message_count(path: str | Path, conversation_id: str) -> int | None:
     from langgraph.checkpoint.sqlite import SqliteSaver
 
     from .agent import build_graph
-    from .store import has_table, read_only, unapplied_input
+    from .store import has_table, read_only
 
     with read_only(path) as conn:
         if conn is None or not has_table(conn, "checkpoints") or not has_table(conn, "runs"):
@@ -69,15 +69,22 @@ def shown_message_count(path: str | Path, conversation_id: str) -> int | None:
         saver = SqliteSaver(conn)
         saver.is_setup = True  # the tables exist; setup() would try to write
         snapshot = build_graph(None, saver).get_state({"configurable": {"thread_id": conversation_id}})
-        messages: list[Any] = []
-        written_by = None
-        if snapshot.created_at is not None:  # something was checkpointed
-            messages = snapshot.values.get("messages", [])
-            written_by = (snapshot.metadata or {}).get("run_id")
-        pending = []
-        if latest is not None and "input" in latest.keys():
-            pending = unapplied_input(latest["id"], latest["input"], written_by)
-        return shown_count(messages, pending)
+        has_input = latest is not None and "input" in latest.keys()
+        return snapshot_count(snapshot, (latest["id"], latest["input"]) if has_input else None)
+
+
+def snapshot_count(snapshot: Any, latest: tuple[str, str | None] | None) -> int:
+    """What a conversation shows, from its thread's latest state and its latest run's
+    `(id, input)` (None: no run, or a file without `runs.input`)."""
+    from .store import unapplied_input
+
+    messages: list[Any] = []
+    written_by = None
+    if snapshot.created_at is not None:  # something was checkpointed
+        messages = snapshot.values.get("messages", [])
+        written_by = (snapshot.metadata or {}).get("run_id")
+    pending = unapplied_input(latest[0], latest[1], written_by) if latest is not None else []
+    return shown_count(messages, pending)
 
 
 def recount(conn: sqlite3.Connection, path: str | Path, run_ids: Iterable[str]) -> None:

@@ -43,7 +43,7 @@ from .errors import (CONFIG_ERROR, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, NOT_FOU
 from .ownership import Owner, owner_gone
 from .retention import Removal
 from .store import (PAGE_SIZE, RELABELLED, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, ListingPosition,
-                    Run, encode_cursor, title_from_message, unapplied_input, utc_now)
+                    Run, encode_cursor, title_from_message, utc_now)
 
 log = logging.getLogger(__name__)
 
@@ -662,18 +662,13 @@ def shown_message_count(url: str, conversation_id: str) -> int | None:
     from langgraph.checkpoint.postgres import PostgresSaver
 
     from .agent import build_graph
-    from .counting import shown_count
+    from .counting import snapshot_count
 
     with _connect(url) as conn:
         latest = conn.execute("SELECT id, input FROM runs WHERE conversation_id = %s ORDER BY seq DESC LIMIT 1",
                               (conversation_id,)).fetchone()
         snapshot = build_graph(None, PostgresSaver(conn)).get_state({"configurable": {"thread_id": conversation_id}})
-    messages, written_by = [], None
-    if snapshot.created_at is not None:
-        messages = snapshot.values.get("messages", [])
-        written_by = (snapshot.metadata or {}).get("run_id")
-    pending = unapplied_input(latest["id"], latest["input"], written_by) if latest else []
-    return shown_count(messages, pending)
+    return snapshot_count(snapshot, (latest["id"], latest["input"]) if latest else None)
 
 
 # the checkpoints
