@@ -347,7 +347,6 @@ def retention(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         env["DATABASE_PATH"] = args.database
         env.pop("DATABASE_URL", None)  # the file named, not the server
     service = AgentService(Settings.from_env(env))
-    path = service.settings.database_path
 
     async def run() -> int:
         try:
@@ -355,7 +354,7 @@ def retention(args: argparse.Namespace, environ: Mapping[str, str] | None = None
                 print((await service.delete_conversation(args.conversation, dry_run=args.dry_run)).describe())
             elif args.command == "prune":
                 rules.parse_keep(args.keep)  # a bad --keep is refused once, not once per conversation
-                targets = rules.conversation_ids(path) if args.all else [args.conversation]
+                targets = service.conversation_ids() if args.all else [args.conversation]
                 for conversation in targets:
                     try:
                         print((await service.prune_conversation(
@@ -365,7 +364,8 @@ def retention(args: argparse.Namespace, environ: Mapping[str, str] | None = None
                             raise
                         print(f"{conversation}: left as it is: {error}")
                 if args.all and not targets:
-                    print(f"{path}: no conversations")
+                    where = "the database at DATABASE_URL" if service.settings.database_url else service.settings.database_path
+                    print(f"{where}: no conversations")
             if args.command == "vacuum" or (args.vacuum and not args.dry_run):
                 print((await service.vacuum()).describe())
         except SophosError as error:

@@ -1,6 +1,6 @@
 """Retention: delete a conversation, prune a thread's old checkpoints, VACUUM the file.
 
-Real SQLite files, the real service with the scripted model, real worker processes for the
+On both backends (a real SQLite file, a real PostgreSQL database), the real service with the scripted model, real worker processes for the
 crashes, and the CLI as a child process. A prune must keep the thread exactly: the messages
 `get_conversation` shows, the raw state LangGraph rebuilds, `next`, and what the model is sent
 on the next turn, for threads of the kit's `DeltaChannel` and for threads written with
@@ -23,8 +23,10 @@ from pathlib import Path
 import pytest
 from conftest import integrity, roles, statuses
 
+from sophos_lab.lab import inspect
 from sophos_lab.lab.harness import Lab
 from sophos_lab.lab.inspect import checkpoints
+from sophos_lab.runtime.postgres import PostgresStore, is_postgres_url
 from sophos_lab.runtime.errors import BAD_REQUEST, NOT_FOUND, OWNERSHIP_LOST, SESSION_IN_PROGRESS, SophosError
 from sophos_lab.runtime.store import Store
 
@@ -36,10 +38,17 @@ UNKNOWN = "00000000-0000-4000-8000-000000000000"
 
 
 @pytest.fixture
-def own_lab(request, lab_home):
+def own_lab(request, lab_home, database):
     """A lab of this test's own, for a worker that is killed (its model pause is the test's)."""
-    with Lab.setup(f"tests-retention-{request.node.name}", quiet=True, fork_servers=True) as lab:
+    with Lab.setup(f"tests-retention-{request.node.name}", quiet=True, fork_servers=True,
+                   database_url=database.get("DATABASE_URL")) as lab:
         yield lab
+
+
+@pytest.fixture
+def where(database) -> str:
+    """This test's database as the lab's views name it: the file's path, or the URL."""
+    return database.get("DATABASE_URL") or database["DATABASE_PATH"]
 
 
 @contextlib.asynccontextmanager
@@ -52,30 +61,59 @@ async def service_of(lab):
         await service.aclose()
 
 
-def rows(db_path: Path, sql: str, *params) -> list[tuple]:
-    conn = sqlite3.connect(f"{db_path.absolute().as_uri()}?mode=ro", uri=True)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
+def on_postgres(database) -> bool:
+    return is_postgres_url(str(database))
 
 
-def counts(db_path: Path, conversation: str) -> dict[str, int]:
+def rows(database, sql: str, *params) -> list[tuple]:
+    """A read-only query (`?` placeholders) on either backend."""
+    return list(inspect.sql(database, sql, params).itertuples(index=False, name=None))
+
+
+def counts(database, conversation: str) -> dict[str, int]:
     """The conversation's rows in every table that holds any."""
+    writes = "checkpoint_writes" if on_postgres(database) else "writes"
     return {
-        "conversations": rows(db_path, "SELECT count(*) FROM conversations WHERE id = ?", conversation)[0][0],
-        "runs": rows(db_path, "SELECT count(*) FROM runs WHERE conversation_id = ?", conversation)[0][0],
-        "checkpoints": rows(db_path, "SELECT count(*) FROM checkpoints WHERE thread_id = ?", conversation)[0][0],
-        "writes": rows(db_path, "SELECT count(*) FROM writes WHERE thread_id = ?", conversation)[0][0],
-        "prunes": rows(db_path, "SELECT count(*) FROM prunes WHERE conversation_id = ?", conversation)[0][0],
+        "conversations": rows(database, "SELECT count(*) FROM conversations WHERE id = ?", conversation)[0][0],
+        "runs": rows(database, "SELECT count(*) FROM runs WHERE conversation_id = ?", conversation)[0][0],
+        "checkpoints": rows(database, "SELECT count(*) FROM checkpoints WHERE thread_id = ?", conversation)[0][0],
+        "writes": rows(database, f"SELECT count(*) FROM {writes} WHERE thread_id = ?", conversation)[0][0],
+        "prunes": rows(database, "SELECT count(*) FROM prunes WHERE conversation_id = ?", conversation)[0][0],
     }
 
 
-def files(db_path: Path) -> tuple[bytes, bytes]:
-    """The database file and its WAL, byte for byte (a missing WAL reads as empty). The `-shm`
-    index is left out: a reader creates it, and it holds no data."""
-    wal = Path(f"{db_path}-wal")
-    return db_path.read_bytes(), wal.read_bytes() if wal.exists() else b""
+POSTGRES_TABLES = ("conversations", "owners", "runs", "prunes", "idempotency_keys", "gates",
+                   "checkpoints", "checkpoint_blobs", "checkpoint_writes")
+
+
+def files(database) -> tuple:
+    """Everything the database holds. SQLite: the file and its WAL, byte for byte (a missing
+    WAL reads as empty; the `-shm` index is left out: a reader creates it, and it holds no
+    data). PostgreSQL: every row of every table, as text."""
+    if on_postgres(database):
+        return tuple(sorted(rows(database, f"SELECT t::text FROM {table} t")) for table in POSTGRES_TABLES)
+    wal = Path(f"{database}-wal")
+    return Path(database).read_bytes(), wal.read_bytes() if wal.exists() else b""
+
+
+def intact(database) -> str:
+    """"ok" when the database is whole. SQLite: `PRAGMA integrity_check`. PostgreSQL (whose
+    pages the server checks): no checkpoint names a parent that is gone, no write a checkpoint
+    that is gone, and every blob a checkpoint names is there."""
+    if not on_postgres(database):
+        return integrity(Path(database))
+    dangling = rows(database, """
+        SELECT 'parent', count(*) FROM checkpoints c WHERE parent_checkpoint_id IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM checkpoints p WHERE p.thread_id = c.thread_id AND p.checkpoint_ns = c.checkpoint_ns
+            AND p.checkpoint_id = c.parent_checkpoint_id)
+        UNION ALL SELECT 'write', count(*) FROM checkpoint_writes w WHERE NOT EXISTS (
+            SELECT 1 FROM checkpoints c WHERE c.thread_id = w.thread_id AND c.checkpoint_ns = w.checkpoint_ns
+            AND c.checkpoint_id = w.checkpoint_id)
+        UNION ALL SELECT 'blob', count(*) FROM checkpoints c, jsonb_each_text(c.checkpoint -> 'channel_versions') v
+            WHERE c.checkpoint -> 'channel_values' -> v.key = 'true' AND NOT EXISTS (
+            SELECT 1 FROM checkpoint_blobs b WHERE b.thread_id = c.thread_id AND b.checkpoint_ns = c.checkpoint_ns
+            AND b.channel = v.key AND b.version = v.value)""")
+    return "ok" if all(n == 0 for _, n in dangling) else f"dangling rows: {dangling}"
 
 
 @dataclass
@@ -108,25 +146,25 @@ async def talk(agent, lab, turns: int, conversation: str | None = None) -> str:
 # --- delete ------------------------------------------------------------------------------
 
 
-async def test_delete_removes_the_conversation_and_everything_keyed_to_it(lab, open_service, db_path):
+async def test_delete_removes_the_conversation_and_everything_keyed_to_it(lab, open_service, where):
     async with open_service() as agent:
         doomed = await talk(agent, lab, 3)
         await agent.prune_conversation(doomed, keep=2)  # a prune record, keyed to it too
         kept = await talk(agent, lab, 2)
         kept_before = await thread(agent, kept)
-        there = counts(db_path, doomed)
+        there = counts(where, doomed)
 
         removal = await agent.delete_conversation(doomed)
 
         assert (removal.runs, removal.checkpoints, removal.writes) == (there["runs"], there["checkpoints"], there["writes"])
         assert removal.bytes > 0 and not removal.dry_run
-        assert counts(db_path, doomed) == dict.fromkeys(there, 0)
+        assert counts(where, doomed) == dict.fromkeys(there, 0)
         assert [c.id for c in agent.list_conversations()] == [kept]
         assert await thread(agent, kept) == kept_before
         with pytest.raises(SophosError) as gone:
             await agent.get_conversation(doomed)
     assert gone.value.code == NOT_FOUND
-    assert integrity(db_path) == "ok"
+    assert intact(where) == "ok"
 
 
 async def test_delete_takes_the_idempotency_keys_of_its_runs_and_the_key_can_start_a_run_again(open_service):
@@ -144,14 +182,14 @@ async def test_delete_takes_the_idempotency_keys_of_its_runs_and_the_key_can_sta
         assert agent.store.keyed_run("order-7").run_id == again.id
 
 
-async def test_a_dry_run_of_delete_says_exactly_what_would_go_and_changes_nothing(lab, open_service, db_path):
+async def test_a_dry_run_of_delete_says_exactly_what_would_go_and_changes_nothing(lab, open_service, where):
     async with open_service() as writer:
         conversation = await talk(writer, lab, 2)
-    before = files(db_path)
+    before = files(where)
 
     async with open_service() as agent:
         planned = await agent.delete_conversation(conversation, dry_run=True)
-    assert files(db_path) == before  # not a byte, not even an owner row or the recovery sweep
+    assert files(where) == before  # not a byte, not even an owner row or the recovery sweep
 
     async with open_service() as agent:
         done = await agent.delete_conversation(conversation)
@@ -173,7 +211,7 @@ async def test_delete_and_prune_refuse_a_conversation_a_live_process_runs_and_ta
             child.chat(SUMMARISE.format(url=lab.page("wal.html")))
             conversation = child.conversation()
             lab.model.wait_paused()  # a live `running` run, held half-way through its answer
-            there = counts(lab.db_path, conversation)
+            there = counts(lab.database, conversation)
 
             refusals = []
             for attempt in (
@@ -185,7 +223,7 @@ async def test_delete_and_prune_refuse_a_conversation_a_live_process_runs_and_ta
                 with pytest.raises(SophosError) as refused:
                     await attempt()
                 refusals.append(refused.value.code)
-            assert counts(lab.db_path, conversation) == there
+            assert counts(lab.database, conversation) == there
             assert list(lab.peek_runs(conversation)["status"]) == ["running"]
 
             assert child.kill() == -9
@@ -195,8 +233,8 @@ async def test_delete_and_prune_refuse_a_conversation_a_live_process_runs_and_ta
 
     assert refusals == [SESSION_IN_PROGRESS] * 4
     assert (planned.runs, planned.checkpoints, planned.writes) == (done.runs, done.checkpoints, done.writes)
-    assert counts(lab.db_path, conversation) == dict.fromkeys(there, 0)
-    assert integrity(lab.db_path) == "ok"
+    assert counts(lab.database, conversation) == dict.fromkeys(there, 0)
+    assert intact(lab.database) == "ok"
 
 
 async def test_a_process_frozen_past_its_lease_writes_nothing_back_into_a_deleted_conversation(own_lab):
@@ -210,7 +248,7 @@ async def test_a_process_frozen_past_its_lease_writes_nothing_back_into_a_delete
         lab.model.wait_paused()
         child.freeze()
         [owner] = lab.peek_runs(conversation)["owner_id"]
-        [(expires,)] = rows(lab.db_path, "SELECT lease_expires_monotonic FROM owners WHERE id = ?", owner)
+        [(expires,)] = rows(lab.database, "SELECT lease_expires_monotonic FROM owners WHERE id = ?", owner)
         # The one wait here is for a deadline the file itself records: a frozen process cannot renew.
         time.sleep(max(0.0, expires - time.monotonic()) + 0.05)
 
@@ -223,30 +261,36 @@ async def test_a_process_frozen_past_its_lease_writes_nothing_back_into_a_delete
 
     assert done.runs == 1 and done.checkpoints > 0
     assert (woke["event"], woke["data"]["code"]) == ("chat-error", OWNERSHIP_LOST)
-    assert set(counts(lab.db_path, conversation).values()) == {0}  # nothing came back
+    assert set(counts(lab.database, conversation).values()) == {0}  # nothing came back
 
 
-async def test_an_unknown_or_malformed_conversation_is_refused_and_nothing_is_written(tmp_path, open_service, db_path):
+async def test_an_unknown_or_malformed_conversation_is_refused_and_nothing_is_written(open_service, where, db_path):
+    before = files(where) if on_postgres(where) else None
     async with open_service() as agent:
         codes = []
-        for attempt in (
+        attempts = [
             lambda: agent.delete_conversation(UNKNOWN),
             lambda: agent.delete_conversation(UNKNOWN, dry_run=True),
             lambda: agent.prune_conversation(UNKNOWN),
             lambda: agent.prune_conversation(UNKNOWN, dry_run=True),
             lambda: agent.delete_conversation("not-an-id"),
             lambda: agent.prune_conversation(UNKNOWN, keep=0),
-            lambda: agent.vacuum(),
-        ):
+        ]
+        if not on_postgres(where):
+            attempts.append(lambda: agent.vacuum())  # of a file that is not there
+        for attempt in attempts:
             with pytest.raises(SophosError) as refused:
                 await attempt()
             codes.append(refused.value.code)
-    assert codes == [NOT_FOUND] * 4 + [BAD_REQUEST] * 2 + [NOT_FOUND]
-    assert not db_path.exists()  # a refusal does not create the file
+    assert codes == [NOT_FOUND] * 4 + [BAD_REQUEST] * 2 + [NOT_FOUND] * (not on_postgres(where))
+    if on_postgres(where):
+        assert files(where) == before  # the service's owner row went when it closed
+    else:
+        assert not db_path.exists()  # a refusal does not create the file
 
     async with open_service() as agent:
         conversation = (await agent.ask("hello")).data["conversation"]
-        there = counts(db_path, conversation)
+        there = counts(where, conversation)
         for keep in (0, -1, 1.5, True, "2"):
             with pytest.raises(SophosError) as refused:
                 await agent.prune_conversation(conversation, keep=keep)
@@ -254,22 +298,22 @@ async def test_an_unknown_or_malformed_conversation_is_refused_and_nothing_is_wr
         with pytest.raises(SophosError) as refused:
             await agent.delete_conversation(UNKNOWN)
         assert refused.value.code == NOT_FOUND
-    assert counts(db_path, conversation) == there
+    assert counts(where, conversation) == there
 
 
 # --- prune: the kit's DeltaChannel threads -------------------------------------------------
 
 
 @pytest.mark.parametrize("keep", [None, 1, 3], ids=["latest-run", "keep-1", "keep-3"])
-async def test_prune_keeps_the_thread_exactly_and_the_next_turn_sends_every_message(lab, open_service, db_path, keep):
+async def test_prune_keeps_the_thread_exactly_and_the_next_turn_sends_every_message(lab, open_service, where, keep):
     async with open_service() as agent:
         conversation = await talk(agent, lab, 5)
         before = await thread(agent, conversation)
-        there = counts(db_path, conversation)
+        there = counts(where, conversation)
 
         removal = await agent.prune_conversation(conversation, keep=keep)
         after = await thread(agent, conversation)
-        left = counts(db_path, conversation)
+        left = counts(where, conversation)
 
         seen = len(lab.model.chat_requests())
         assert (await agent.ask("hello once more", conversation)).event == "end"
@@ -285,22 +329,22 @@ async def test_prune_keeps_the_thread_exactly_and_the_next_turn_sends_every_mess
     assert removal.snapshot_bytes > 0  # the oldest kept checkpoint now holds the whole list
     assert request["n_messages"] == 1 + len(before.messages) + 1  # system, the whole thread, the new one
     assert roles(continued)[-2:] == ["user", "assistant"] and len(continued.messages) == len(before.messages) + 2
-    assert integrity(db_path) == "ok"
+    assert intact(where) == "ok"
 
 
-async def test_a_dry_run_of_prune_says_exactly_what_would_go_and_changes_nothing(lab, open_service, db_path):
+async def test_a_dry_run_of_prune_says_exactly_what_would_go_and_changes_nothing(lab, open_service, where):
     async with open_service() as writer:
         conversation = await talk(writer, lab, 3)
-    before = files(db_path)
+    before = files(where)
 
     async with open_service() as agent:
         planned = await agent.prune_conversation(conversation, keep=2, dry_run=True)
-    assert files(db_path) == before
+    assert files(where) == before
 
-    there = counts(db_path, conversation)
+    there = counts(where, conversation)
     async with open_service() as agent:
         done = await agent.prune_conversation(conversation, keep=2)
-    left = counts(db_path, conversation)
+    left = counts(where, conversation)
     assert planned.dry_run and not done.dry_run
     assert (planned.checkpoints, planned.writes, planned.bytes, planned.kept_checkpoints, planned.snapshot_bytes) == (
         done.checkpoints, done.writes, done.bytes, done.kept_checkpoints, done.snapshot_bytes)
@@ -308,16 +352,16 @@ async def test_a_dry_run_of_prune_says_exactly_what_would_go_and_changes_nothing
     assert (left["checkpoints"], left["runs"], left["prunes"]) == (2, 3, 1)  # every run is kept
 
 
-async def test_the_history_view_says_what_was_pruned_and_when(lab, open_service, db_path):
+async def test_the_history_view_says_what_was_pruned_and_when(lab, open_service, where):
     async with open_service() as agent:
         conversation = await talk(agent, lab, 3)
-        history = checkpoints(db_path, conversation)
+        history = checkpoints(where, conversation)
         first = await agent.prune_conversation(conversation, keep=4)
         second = await agent.prune_conversation(conversation, keep=2)
         again = await agent.prune_conversation(conversation, keep=2)  # nothing older is left
-    view = checkpoints(db_path, conversation)
+    view = checkpoints(where, conversation)
     pruned, kept = view.iloc[:2], view.iloc[2:].reset_index(drop=True)
-    [(first_at,), (second_at,)] = rows(db_path, "SELECT pruned_at FROM prunes WHERE conversation_id = ? ORDER BY id", conversation)
+    [(first_at,), (second_at,)] = rows(where, "SELECT pruned_at FROM prunes WHERE conversation_id = ? ORDER BY id", conversation)
 
     assert kept.to_dict("records") == history.iloc[-2:].to_dict("records")  # the kept rows read as before
     steps = list(history["step"])
@@ -371,11 +415,12 @@ async def test_a_crashed_run_resumes_after_its_thread_is_pruned(own_lab):
 # --- prune: threads written with LangGraph's default channel ------------------------------
 
 
-def write_with_the_default_channel(lab, db_path: Path, turns: list[str], crash_last: bool = False) -> str:
-    """A conversation as the kit wrote it before its messages channel was a DeltaChannel: the
-    same graph shape with LangGraph's default `add_messages` channel (`MessagesState`), on the
-    same file, with the kit's run rows and run ids. With `crash_last`, the last turn is left as
-    a kill during its model call leaves it: the run `running` with its owner gone, `next` agent.
+def write_with_the_default_channel(lab, database, turns: list[str], crash_last: bool = False) -> str:
+    """A conversation as the kit wrote it before its messages channel was a DeltaChannel (and
+    as `migrate-to-postgres` copies such a thread): the same graph shape with LangGraph's
+    default `add_messages` channel (`MessagesState`), on the same database, with the kit's run
+    rows and run ids. With `crash_last`, the last turn is left as a kill during its model call
+    leaves it: the run `running` with its owner gone, `next` agent.
     """
     from langchain_core.messages import HumanMessage, SystemMessage
     from langchain_ollama import ChatOllama
@@ -398,10 +443,19 @@ def write_with_the_default_channel(lab, db_path: Path, turns: list[str], crash_l
     builder.add_edge("tools", "agent")
 
     conversation = str(uuid.uuid4())
-    store = Store(db_path)
-    conn = sqlite3.connect(db_path, check_same_thread=False)
-    try:
+    if on_postgres(database):
+        import psycopg
+        from langgraph.checkpoint.postgres import PostgresSaver
+        from psycopg.rows import dict_row
+
+        store = PostgresStore(database)
+        conn = psycopg.connect(database, autocommit=True, row_factory=dict_row)  # not fenced: no owner set
+        saver = PostgresSaver(conn)
+    else:
+        store = Store(database)
+        conn = sqlite3.connect(database, check_same_thread=False)
         saver = SqliteSaver(conn)
+    try:
         graph = builder.compile(checkpointer=saver)
         for n, text in enumerate(turns):
             run_id, message = str(uuid.uuid4()), {"id": str(uuid.uuid4()), "content": text}
@@ -420,8 +474,8 @@ def write_with_the_default_channel(lab, db_path: Path, turns: list[str], crash_l
     return conversation
 
 
-async def test_a_thread_of_the_default_channel_prunes_exactly_resumes_and_continues(lab, open_service, db_path):
-    conversation = write_with_the_default_channel(lab, db_path, ["hello", "hi there", "hello, third"], crash_last=True)
+async def test_a_thread_of_the_default_channel_prunes_exactly_resumes_and_continues(lab, open_service, where):
+    conversation = write_with_the_default_channel(lab, where, ["hello", "hi there", "hello, third"], crash_last=True)
 
     async with open_service() as agent:
         before = await thread(agent, conversation)
@@ -450,13 +504,13 @@ async def test_a_thread_of_the_default_channel_prunes_exactly_resumes_and_contin
     assert rewritten.checkpoints > 0 and rewritten.snapshot_bytes > 0  # a delta checkpoint became the root
     assert last == mixed
     assert roles(last) == ["user", "assistant"] * 4
-    assert integrity(db_path) == "ok"
+    assert intact(where) == "ok"
 
 
 # --- vacuum ------------------------------------------------------------------------------
 
 
-async def test_vacuum_after_a_delete_gives_the_space_back_and_keeps_everything_else(lab, open_service, db_path):
+async def test_vacuum_after_a_delete_gives_the_space_back_and_keeps_everything_else(lab, open_service, where):
     """VACUUM may renumber rowids, which order runs and conversations: their order must hold."""
     async with open_service() as agent:
         doomed, kept, third = [await talk(agent, lab, 1) for _ in range(3)]
@@ -469,18 +523,18 @@ async def test_vacuum_after_a_delete_gives_the_space_back_and_keeps_everything_e
         await agent.delete_conversation(doomed)
 
         vacuum = await agent.vacuum()
-        assert vacuum.bytes_after == db_path.stat().st_size  # the WAL is folded back in
+        if not on_postgres(where):
+            assert vacuum.bytes_after == Path(where).stat().st_size  # the WAL is folded back in
 
         assert [c.id for c in agent.list_conversations()] == listed
         assert [run.id for run in agent.list_runs()] == runs
         assert await thread(agent, kept) == kept_before
         assert (await agent.ask("hello after the vacuum", kept)).event == "end"
-    assert vacuum.free_bytes_before > 0
+    assert vacuum.free_bytes_before is None if on_postgres(where) else vacuum.free_bytes_before > 0
     assert vacuum.bytes_after < vacuum.bytes_before
-    assert integrity(db_path) == "ok"
+    assert intact(where) == "ok"
 
 
-@pytest.mark.sqlite_only  # PostgreSQL refuses vacuum outright (test_postgres.py)
 async def test_vacuum_is_refused_while_a_run_is_running(lab, open_service):
     lab.web.hold("/index.html")
     try:
@@ -501,36 +555,46 @@ async def test_vacuum_is_refused_while_a_run_is_running(lab, open_service):
 # --- the CLI -----------------------------------------------------------------------------
 
 
+def named(where) -> tuple[list[str], dict[str, str]]:
+    """How the CLI is pointed at this database: `--database PATH`, or `DATABASE_URL`."""
+    return ([], {"DATABASE_URL": where}) if on_postgres(where) else (["--database", str(where)], {})
+
+
+def in_env(where) -> dict[str, str]:
+    return {"DATABASE_URL" if on_postgres(where) else "DATABASE_PATH": str(where)}
+
+
 def sophos_lab(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """`sophos-lab ARGS` as a child process, with a lab home of its own (never the repository's)."""
-    environment = {k: v for k, v in os.environ.items() if k not in ("DATABASE_PATH", "MEMORY_FILE_PATH")}
+    environment = {k: v for k, v in os.environ.items() if k not in ("DATABASE_PATH", "DATABASE_URL", "MEMORY_FILE_PATH")}
     environment.update(SOPHOS_LAB_HOME=str(tmp_path / "lab-home"), PYTHONPATH=str(KIT_ROOT), **env)
     return subprocess.run([sys.executable, "-m", "sophos_lab.cli", *args], env=environment, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
 
 
-async def test_cli_dry_runs_print_exactly_what_would_go_and_change_nothing(lab, open_service, db_path, tmp_path):
+async def test_cli_dry_runs_print_exactly_what_would_go_and_change_nothing(lab, open_service, where, tmp_path):
     async with open_service() as agent:
         conversation = await talk(agent, lab, 3)
         other = await talk(agent, lab, 1)
         would_prune = await agent.prune_conversation(conversation, keep=2, dry_run=True)
         would_delete = await agent.delete_conversation(conversation, dry_run=True)
-    before = files(db_path)
+    before = files(where)
 
-    prune = sophos_lab(tmp_path, "prune", conversation, "--keep", "2", "--dry-run", "--database", str(db_path))
-    delete = sophos_lab(tmp_path, "delete", conversation, "--dry-run", DATABASE_PATH=str(db_path))
-    every = sophos_lab(tmp_path, "prune", "--all", "--dry-run", "--database", str(db_path))
+    args, env = named(where)
+    prune = sophos_lab(tmp_path, "prune", conversation, "--keep", "2", "--dry-run", *args, **env)
+    delete = sophos_lab(tmp_path, "delete", conversation, "--dry-run", **in_env(where))
+    every = sophos_lab(tmp_path, "prune", "--all", "--dry-run", *args, **env)
 
     assert (prune.returncode, delete.returncode, every.returncode) == (0, 0, 0), prune.stderr + delete.stderr + every.stderr
     assert prune.stdout.strip() == would_prune.describe()
     assert delete.stdout.strip() == would_delete.describe()
     assert f"would prune {would_prune.checkpoints} checkpoints and {would_prune.writes} writes ({would_prune.bytes:,} bytes)" in prune.stdout
     assert [line.split(":")[0] for line in every.stdout.splitlines()] == [conversation, other]
-    assert files(db_path) == before
+    assert files(where) == before
     assert not (tmp_path / "lab-home").exists()  # the default database was never made
 
 
-async def test_cli_delete_prune_and_vacuum_change_the_database_and_only_it(lab, open_service, db_path, tmp_path):
+async def test_cli_delete_prune_and_vacuum_change_the_database_and_only_it(lab, open_service, where, tmp_path):
     memory = tmp_path / "memory.jsonl"
     memory.write_text('{"type": "entity", "name": "lab", "entityType": "thing", "observations": []}\n')
     remembered = memory.read_bytes()
@@ -539,15 +603,14 @@ async def test_cli_delete_prune_and_vacuum_change_the_database_and_only_it(lab, 
         pruned = await talk(agent, lab, 3)
         before = await thread(agent, pruned)
 
-    delete = sophos_lab(tmp_path, "delete", doomed, "--vacuum", "--database", str(db_path),
-                        MEMORY_FILE_PATH=str(memory))
-    prune = sophos_lab(tmp_path, "prune", pruned, "--keep", "1", "--database", str(db_path),
-                       MEMORY_FILE_PATH=str(memory))
-    vacuum = sophos_lab(tmp_path, "vacuum", DATABASE_PATH=str(db_path), MEMORY_FILE_PATH=str(memory))
+    args, env = named(where)
+    delete = sophos_lab(tmp_path, "delete", doomed, "--vacuum", *args, MEMORY_FILE_PATH=str(memory), **env)
+    prune = sophos_lab(tmp_path, "prune", pruned, "--keep", "1", *args, MEMORY_FILE_PATH=str(memory), **env)
+    vacuum = sophos_lab(tmp_path, "vacuum", **in_env(where), MEMORY_FILE_PATH=str(memory))
 
     assert (delete.returncode, prune.returncode, vacuum.returncode) == (0, 0, 0), delete.stderr + prune.stderr + vacuum.stderr
     assert delete.stdout.startswith(f"{doomed}: deleted the conversation with 2 runs")
-    assert "bytes before VACUUM" in delete.stdout.splitlines()[1]
+    assert "bytes before VACUUM" in delete.stdout.splitlines()[1]  # VACUUM FULL on PostgreSQL
     assert prune.stdout.startswith(f"{pruned}: pruned ") and "kept 1 checkpoints" in prune.stdout
     assert "bytes before VACUUM" in vacuum.stdout
     async with open_service() as agent:

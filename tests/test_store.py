@@ -15,15 +15,19 @@ CONVERSATION = "6f1c7f1e-9a62-4c4e-9a55-0c2b1f0e6a11"
 pytestmark = pytest.mark.both_backends  # the tests that take `store` alone run on PostgreSQL too
 
 
-@pytest.fixture
-def store(database):
-    """The application tables on this test's database: the SQLite file, or PostgreSQL."""
+def store_of(database: dict[str, str], **options) -> Store:
+    """A store on this test's database, as a newly started process makes one."""
     if "DATABASE_URL" in database:
         from sophos_lab.runtime.postgres import PostgresStore
 
-        store = PostgresStore(database["DATABASE_URL"])
-    else:
-        store = Store(Path(database["DATABASE_PATH"]))
+        return PostgresStore(database["DATABASE_URL"], **options)
+    return Store(Path(database["DATABASE_PATH"]), **options)
+
+
+@pytest.fixture
+def store(database):
+    """The application tables on this test's database: the SQLite file, or PostgreSQL."""
+    store = store_of(database)
     yield store
     store.close()
 
@@ -340,13 +344,15 @@ def a_dead_pid() -> int:
     return child.pid
 
 
-def left_by(db_path, run_id: str, **owner) -> None:
-    """A `running` run owned by an owner row with these fields (the others like this process)."""
+def left_by(database, run_id: str, **owner) -> None:
+    """A `running` run owned by an owner row with these fields (the others like this process).
+    On PostgreSQL the wall-clock lease is a `timestamptz` (`lease_expires_at` in seconds since
+    the epoch, as SQLite stores it)."""
     import time
 
     from sophos_lab.runtime.ownership import Owner
 
-    store = Store(db_path)
+    store = store_of(database)
     store.conn  # noqa: B018
     if CONVERSATION not in [c.id for c in store.list_conversations()]:
         store.create_conversation(CONVERSATION, "hello")
@@ -356,6 +362,17 @@ def left_by(db_path, run_id: str, **owner) -> None:
         "pid_started": here.pid_started, "opened_at": "t0", "lease_expires_at": time.time() + 60,
         "lease_expires_monotonic": time.monotonic() + 60, **owner,
     }
+    if "DATABASE_URL" in database:
+        store.conn.execute(
+            "INSERT INTO owners VALUES (%(id)s, %(host)s, %(boot_id)s, %(pid)s, %(pid_started)s, %(opened_at)s,"
+            " to_timestamp(%(lease_expires_at)s), %(lease_expires_monotonic)s)", row)
+        store.conn.execute(
+            "INSERT INTO runs (id, conversation_id, status, started_at, owner_id) VALUES (%s, %s, 'running', 't0', %s)",
+            (run_id, CONVERSATION, row["id"]))
+        store.conn.execute("DELETE FROM owners WHERE id = %s", (store.owner.id,))
+        store.conn.close()
+        store._conn = None
+        return
     store.conn.execute(
         "INSERT INTO owners VALUES (:id, :host, :boot_id, :pid, :pid_started, :opened_at, :lease_expires_at,"
         " :lease_expires_monotonic)", row
@@ -384,11 +401,12 @@ def left_by(db_path, run_id: str, **owner) -> None:
     ids=["alive", "dead-pid", "reused-pid", "lease-expired", "wall-clock-jump", "other-host",
          "other-host-expired", "rebooted"],
 )
-def test_recovery_relabels_a_run_only_when_its_owner_is_gone(db_path, owner, recovered):
+def test_recovery_relabels_a_run_only_when_its_owner_is_gone(database, owner, recovered):
     if owner.get("pid") == "DEAD":
         owner["pid"] = a_dead_pid()
-    left_by(db_path, "run-1", **owner)
-    store = reopen(db_path)
+    left_by(database, "run-1", **owner)
+    store = store_of(database)
+    store.conn  # noqa: B018 - the first open recovers
     try:
         assert store.get_run("run-1").status == ("interrupted" if recovered else "running")
         assert store.recovered_runs == int(recovered)
@@ -396,9 +414,9 @@ def test_recovery_relabels_a_run_only_when_its_owner_is_gone(db_path, owner, rec
         store.close()
 
 
-def test_a_live_owner_s_run_refuses_a_second_run_on_its_conversation(db_path):
-    left_by(db_path, "run-1")
-    store = reopen(db_path)
+def test_a_live_owner_s_run_refuses_a_second_run_on_its_conversation(database):
+    left_by(database, "run-1")
+    store = store_of(database)
     try:
         with pytest.raises(SophosError) as refused:
             store.start_run("run-2", CONVERSATION)
@@ -408,8 +426,8 @@ def test_a_live_owner_s_run_refuses_a_second_run_on_its_conversation(db_path):
         store.close()
 
 
-def test_an_outcome_is_not_recorded_for_a_run_another_owner_took_over(db_path):
-    store = Store(db_path)
+def test_an_outcome_is_not_recorded_for_a_run_another_owner_took_over(database):
+    store = store_of(database)
     store.create_conversation(CONVERSATION, "hello")
     store.start_run("run-1", CONVERSATION)
     store.conn.execute("UPDATE runs SET status = 'interrupted' WHERE id = 'run-1'")  # taken over
@@ -421,9 +439,9 @@ def test_an_outcome_is_not_recorded_for_a_run_another_owner_took_over(db_path):
         store.close()
 
 
-def test_single_owner_mode_relabels_every_running_run_as_the_original_did(db_path):
-    left_by(db_path, "run-1")  # a live owner: this process
-    store = Store(db_path, single_owner=True)
+def test_single_owner_mode_relabels_every_running_run_as_the_original_did(database):
+    left_by(database, "run-1")  # a live owner: this process
+    store = store_of(database, single_owner=True)
     try:
         store.list_runs()
         assert store.get_run("run-1").status == "interrupted"

@@ -25,11 +25,17 @@ def answered(detail) -> bool:
     return bool(last) and last["role"] == "assistant" and not last.get("toolCalls") and not detail.next
 
 
-async def reference(lab, open_service, tmp_path, message: str):
+def fresh(database, tmp_path, name: str) -> dict[str, str]:
+    """A database of its own for each stop: a new SQLite file; on PostgreSQL the test's one
+    database (each stop's run starts a conversation of its own there)."""
+    return {} if "DATABASE_URL" in database else {"DATABASE_PATH": str(tmp_path / f"{name}.db")}
+
+
+async def reference(lab, open_service, tmp_path, message: str, database=None):
     """The uninterrupted run: its commits in order, its transcript, its fetches and model calls."""
     writes = []
     before = (lab.fetches("index.html"), lab.model_calls())
-    async with open_service(DATABASE_PATH=str(tmp_path / "reference.db")) as agent:
+    async with open_service(**fresh(database or {}, tmp_path, "reference")) as agent:
         agent.on_write = writes.append
         run = await agent.chat(message)
         assert (await run.wait()).event == "end"
@@ -58,16 +64,17 @@ async def cancelled_after_commit(agent, message: str, k: int):
     return run, seen[k - 1]
 
 
+@pytest.mark.both_backends
 async def test_a_cancel_right_after_any_commit_leaves_the_conversation_answered_or_resumable(
-        lab, open_service, tmp_path):
+        lab, open_service, tmp_path, database):
     message = f"Fetch {lab.page('index.html')}"
-    writes, done, (fetches, model_calls) = await reference(lab, open_service, tmp_path, message)
+    writes, done, (fetches, model_calls) = await reference(lab, open_service, tmp_path, message, database)
     assert [w.kind for w in writes] == ["run", "checkpoint", "writes", "checkpoint", "writes", "checkpoint",
                                         "writes", "checkpoint", "writes", "checkpoint", "outcome"]
     outcomes = []
     for k in range(1, len(writes) + 1):
         before = (lab.fetches("index.html"), lab.model_calls())
-        async with open_service(DATABASE_PATH=str(tmp_path / f"point-{k}.db")) as agent:
+        async with open_service(**fresh(database, tmp_path, f"point-{k}")) as agent:
             run, write = await cancelled_after_commit(agent, message, k)
             stopped = await agent.get_conversation(run.conversation)
             outcomes.append((write.describe(), stopped.conversation.status, stopped.next))
@@ -147,6 +154,7 @@ async def test_a_write_observer_that_raises_changes_nothing_for_the_run(lab, ope
     assert roles(detail) == ["user", "assistant", "tool", "assistant", "user", "assistant"]
 
 
+@pytest.mark.both_backends
 @pytest.mark.parametrize("delay_ms", [0, 1, 2, 5, 10, 20, 50])
 async def test_a_cancel_at_any_delay_after_chat_returns_leaves_the_conversation_answered_or_resumable(
         lab, open_service, delay_ms):

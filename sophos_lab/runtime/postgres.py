@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -41,7 +42,7 @@ from .checkpointer import FENCED, Notifying
 from .errors import (CONFIG_ERROR, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, NOT_FOUND,
                      SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, STORAGE_FULL, SophosError)
 from .ownership import Owner, owner_gone
-from .retention import Removal
+from .retention import Removal, Vacuum
 from .store import (PAGE_SIZE, RELABELLED, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, ListingPosition,
                     Run, encode_cursor, title_from_message, utc_now)
 
@@ -589,18 +590,7 @@ class PostgresStore:
         counts in a transaction that is rolled back: nothing changes, not even a recovery."""
         with self._lock, _refused_when_full(), self.conn.transaction():
             conn = self.conn
-            if conn.execute("SELECT 1 FROM conversations WHERE id = %s FOR UPDATE", (conversation_id,)).fetchone() is None:
-                raise SophosError(NOT_FOUND, f"Conversation Not Found: {conversation_id}")
-            # Its runs' rows locked first: a saver's write already under way (the fence holds the
-            # run's row FOR SHARE) ends before this goes on, and one that starts later is fenced.
-            running = {row["id"] for row in conn.execute(
-                "SELECT id, status FROM runs WHERE conversation_id = %s FOR UPDATE", (conversation_id,))
-                if row["status"] == "running"}
-            gone = set() if me is None else set(self._stale_runs(conn, conversation_id))
-            if running - gone:
-                raise SophosError(SESSION_IN_PROGRESS, (
-                    f"Conversation {conversation_id} has a run in progress in a live process; "
-                    "delete it once the run has finished. Nothing was changed."))
+            self._lock_idle_conversation(conn, conversation_id, me, "delete")  # a gone owner's run goes too
             counts: dict[str, tuple[int, int]] = {}
             for table, column in _KEYED_TO_CONVERSATION:
                 row = conn.execute(f"DELETE FROM {table} t WHERE {column} = %s RETURNING pg_column_size(t.*) AS size",
@@ -612,6 +602,142 @@ class PostgresStore:
             "delete", conversation_id, runs=counts["runs"][0], checkpoints=counts["checkpoints"][0],
             writes=counts["checkpoint_writes"][0], bytes=sum(size for _, size in counts.values()), dry_run=dry_run,
         )
+
+
+    def _lock_idle_conversation(self, conn: psycopg.Connection, conversation_id: str, me: Owner | None,
+                                action: str) -> list[str]:
+        """Inside a transaction: lock the conversation's row and its runs' rows, refuse
+        (`NOT_FOUND`, `SESSION_IN_PROGRESS`) as `retention` does, and return the `running` runs
+        whose owner is gone. A saver's write under way (the fence holds its run's row FOR SHARE)
+        ends before this goes on, and a run that starts later waits for this transaction."""
+        if conn.execute("SELECT 1 FROM conversations WHERE id = %s FOR UPDATE", (conversation_id,)).fetchone() is None:
+            raise SophosError(NOT_FOUND, f"Conversation Not Found: {conversation_id}")
+        running = {row["id"] for row in conn.execute(
+            "SELECT id, status FROM runs WHERE conversation_id = %s FOR UPDATE", (conversation_id,))
+            if row["status"] == "running"}
+        gone = set() if me is None else set(self._stale_runs(conn, conversation_id))
+        if running - gone:
+            raise SophosError(SESSION_IN_PROGRESS, (
+                f"Conversation {conversation_id} has a run in progress in a live process; "
+                f"{action} it once the run has finished. Nothing was changed."))
+        return sorted(running & gone)
+
+    def prune_conversation(self, conversation_id: str, keep: int | None, me: Owner | None,
+                           dry_run: bool = False) -> Removal:
+        """`retention.prune_conversation` here, in one transaction: the thread's older
+        checkpoints go with their writes and the blobs no kept checkpoint names; the oldest kept
+        one gets the whole message list as a `_DeltaSnapshot` blob, as LangGraph's saver stores
+        one, and becomes the root. A gone owner's run is relabelled `interrupted` first.
+        `dry_run` does it all in a transaction that is rolled back: counted exactly, nothing changed."""
+        from langgraph.checkpoint.postgres import PostgresSaver
+
+        from .retention import delta_snapshots, kept_and_pruned, parse_keep, without_snapshot_counters
+
+        keep = parse_keep(keep)
+        with self._lock, _refused_when_full(), self.conn.transaction():
+            conn = self.conn
+            self._relabel_in(conn, self._lock_idle_conversation(conn, conversation_id, me, "prune"))
+            removal = self._prune_in(conn, conversation_id, keep)
+            if dry_run:
+                raise psycopg.Rollback()  # leaves the block quietly: counted, nothing changed
+        return replace(removal, dry_run=dry_run)
+
+    def _prune_in(self, conn: psycopg.Connection, conversation_id: str, keep: int | None) -> Removal:
+        from langgraph.checkpoint.postgres import PostgresSaver
+
+        from .retention import delta_snapshots, kept_and_pruned, without_snapshot_counters
+
+        rows = {row["checkpoint_id"]: (row["parent_checkpoint_id"], row["metadata"] or {}) for row in conn.execute(
+            "SELECT checkpoint_id, parent_checkpoint_id, metadata FROM checkpoints"
+            " WHERE thread_id = %s AND checkpoint_ns = ''", (conversation_id,))}
+        if not rows:
+            return Removal("prune", conversation_id)
+        kept, pruned, steps = kept_and_pruned(rows, keep)
+        if not pruned:
+            return Removal("prune", conversation_id, kept_checkpoints=len(kept))
+        root = kept[-1]
+        saver = PostgresSaver(conn)
+        root_tuple = saver.get_tuple({"configurable": {"thread_id": conversation_id, "checkpoint_ns": "",
+                                                       "checkpoint_id": root}})
+        snapshots = delta_snapshots(saver, conversation_id, root, root_tuple.checkpoint)
+        root_size = ("SELECT pg_column_size(c.*) AS size FROM checkpoints c"
+                     " WHERE thread_id = %s AND checkpoint_ns = '' AND checkpoint_id = %s")
+        grown = -conn.execute(root_size, (conversation_id, root)).fetchone()["size"]
+        if snapshots:
+            versions = root_tuple.checkpoint["channel_versions"]
+            for blob in saver._dump_blobs(conversation_id, "", snapshots, {k: versions[k] for k in snapshots}):
+                grown += conn.execute(
+                    "INSERT INTO checkpoint_blobs (thread_id, checkpoint_ns, channel, version, type, blob)"
+                    " VALUES (%s, %s, %s, %s, %s, %s) RETURNING pg_column_size(checkpoint_blobs.*) AS size",
+                    blob).fetchone()["size"]
+            # What the saver's own put leaves inline for a snapshot stored as a blob: `true`.
+            conn.execute(
+                "UPDATE checkpoints SET checkpoint = jsonb_set(checkpoint, '{channel_values}',"
+                " (checkpoint -> 'channel_values') || %s::jsonb), metadata = %s"
+                " WHERE thread_id = %s AND checkpoint_ns = '' AND checkpoint_id = %s",
+                (json.dumps(dict.fromkeys(snapshots, True)),
+                 json.dumps(without_snapshot_counters(rows[root][1], list(snapshots)), ensure_ascii=False),
+                 conversation_id, root))
+        conn.execute("UPDATE checkpoints SET parent_checkpoint_id = NULL WHERE thread_id = %s"
+                     " AND checkpoint_ns = '' AND checkpoint_id = %s", (conversation_id, root))
+        grown += conn.execute(root_size, (conversation_id, root)).fetchone()["size"]
+        gone = {}
+        for table in ("checkpoint_writes", "checkpoints"):
+            deleted = conn.execute(
+                f"DELETE FROM {table} t WHERE thread_id = %s AND checkpoint_ns = '' AND checkpoint_id = ANY(%s)"
+                " RETURNING pg_column_size(t.*) AS size", (conversation_id, pruned)).fetchall()
+            gone[table] = (len(deleted), sum(row["size"] for row in deleted))
+        # A blob is a channel's value at a version: it stays while a kept checkpoint names it.
+        blobs = conn.execute(
+            "DELETE FROM checkpoint_blobs b WHERE thread_id = %s AND checkpoint_ns = '' AND NOT EXISTS ("
+            " SELECT 1 FROM checkpoints c WHERE c.thread_id = b.thread_id AND c.checkpoint_ns = b.checkpoint_ns"
+            " AND c.checkpoint -> 'channel_versions' ->> b.channel = b.version)"
+            " RETURNING pg_column_size(b.*) AS size", (conversation_id,)).fetchall()
+        removal = Removal(
+            "prune", conversation_id, checkpoints=gone["checkpoints"][0], writes=gone["checkpoint_writes"][0],
+            bytes=gone["checkpoints"][1] + gone["checkpoint_writes"][1] + sum(row["size"] for row in blobs),
+            kept_checkpoints=len(kept), snapshot_bytes=max(grown, 0) if snapshots else 0)
+        conn.execute(
+            "INSERT INTO prunes (conversation_id, pruned_at, checkpoints, writes, bytes, first_step, last_step,"
+            " kept_from) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            (conversation_id, utc_now(), removal.checkpoints, removal.writes, removal.bytes, *steps, root))
+        return removal
+
+    def prune_records(self, conversation_id: str) -> list[dict[str, Any]]:
+        return self.conn.execute(
+            "SELECT pruned_at, checkpoints, writes, bytes, first_step, last_step, kept_from FROM prunes"
+            " WHERE conversation_id = %s ORDER BY id", (conversation_id,)).fetchall()
+
+    def conversation_ids(self) -> list[str]:
+        return [row["id"] for row in self.conn.execute("SELECT id FROM conversations ORDER BY created_at, seq")]
+
+    def vacuum(self, me: Owner | None) -> Vacuum:
+        """`VACUUM FULL` of the kit's and LangGraph's tables: each is rewritten without its dead
+        rows, and the space goes back to the file system (a plain `VACUUM`, which autovacuum
+        runs, only lets the server reuse it). Refused while a live process runs a run anywhere:
+        `VACUUM FULL` locks each table whole while it rewrites it."""
+        conn = self.conn
+        with self._lock:
+            running = [row["id"] for row in conn.execute("SELECT id FROM runs WHERE status = 'running'")]
+            gone = set() if me is None else set(self._stale_runs(conn, None))
+            if live := [run for run in running if run not in gone]:
+                raise SophosError(SESSION_IN_PROGRESS, (
+                    f"{len(live)} run(s) in progress in a live process; VACUUM FULL locks each table while it "
+                    "rewrites it, so run it when they have finished. Nothing was changed."))
+            tables = [table for table, _ in _KEYED_TO_CONVERSATION] + ["owners"]
+            size = ("SELECT sum(pg_total_relation_size(t::regclass))::bigint AS size"
+                    " FROM unnest(%s::text[]) AS t")
+            before = conn.execute(size, (tables,)).fetchone()["size"]
+            try:
+                with _refused_when_full():
+                    conn.execute(f"VACUUM FULL {', '.join(tables)}")
+            except psycopg.errors.LockNotAvailable as error:
+                raise SophosError(SESSION_IN_PROGRESS, (
+                    "Another connection held a table for over 5 s; VACUUM FULL gave up on it "
+                    f"(the tables before it were rewritten): {error}")) from error
+            after = conn.execute(size, (tables,)).fetchone()["size"]
+            name = conn.info.dbname
+        return Vacuum(name, before, after, None)
 
 
 def _title(message: str) -> str:

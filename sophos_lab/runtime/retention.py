@@ -94,18 +94,22 @@ class PrunePlan:
 
 @dataclass(frozen=True)
 class Vacuum:
-    """The file's size (with its WAL) before and after a `VACUUM`."""
+    """The file's size (with its WAL) before and after a `VACUUM`; on PostgreSQL, the kit's and
+    LangGraph's tables (with their indexes and TOAST) before and after a `VACUUM FULL`."""
 
     path: str
+    """The file, or the database's name."""
     bytes_before: int
     bytes_after: int
-    free_bytes_before: int
-    """Pages inside the file that held nothing (deleted rows), before: what `VACUUM` can give back."""
+    free_bytes_before: int | None
+    """Pages inside the file that held nothing (deleted rows), before: what `VACUUM` can give
+    back. None on PostgreSQL, which does not count them without an extension."""
 
     def describe(self) -> str:
-        return (f"{self.path}: {self.bytes_before:,} bytes before VACUUM, {self.bytes_after:,} after "
-                f"({self.bytes_before - self.bytes_after:,} given back; "
-                f"{self.free_bytes_before:,} bytes were free pages)")
+        command = "VACUUM" if self.free_bytes_before is not None else "VACUUM FULL"
+        free = "" if self.free_bytes_before is None else f"; {self.free_bytes_before:,} bytes were free pages"
+        return (f"{self.path}: {self.bytes_before:,} bytes before {command}, {self.bytes_after:,} after "
+                f"({self.bytes_before - self.bytes_after:,} given back{free})")
 
 
 # --- reading -----------------------------------------------------------------------------
@@ -220,6 +224,66 @@ def parse_keep(keep: object) -> int | None:
     return keep
 
 
+def kept_and_pruned(rows: dict[str, tuple[str | None, dict]], keep: int | None
+                    ) -> tuple[tuple[str, ...], list[str], tuple[int | None, int | None]]:
+    """Of a thread's checkpoints (`{id: (parent id, metadata)}`), the ids a prune keeps (newest
+    first), those it deletes, and the first and last step of those.
+
+    The head is what LangGraph reads as the thread's state: the greatest id. Its ancestors,
+    newest first, are the thread's one branch of history; `keep=None` keeps those of the run
+    that wrote the head."""
+    chain, seen = [max(rows)], {max(rows)}
+    while (parent := rows[chain[-1]][0]) in rows and parent not in seen:
+        chain.append(parent)
+        seen.add(parent)
+    if keep is None:
+        latest_run = rows[chain[0]][1].get("run_id")
+        keep = next((n for n, cid in enumerate(chain) if rows[cid][1].get("run_id") != latest_run), len(chain))
+    kept = tuple(chain[:keep])
+    pruned = [cid for cid in rows if cid not in kept]
+    steps = [rows[cid][1].get("step") for cid in pruned if isinstance(rows[cid][1].get("step"), int)]
+    return kept, pruned, (min(steps, default=None), max(steps, default=None))
+
+
+def without_snapshot_counters(metadata: dict, channels: list[str]) -> dict:
+    """A checkpoint's metadata once `channels` hold a snapshot there: LangGraph's count of
+    updates since each one's last snapshot starts again."""
+    meta = dict(metadata)
+    counters = {k: v for k, v in (meta.pop("counters_since_delta_snapshot", None) or {}).items() if k not in channels}
+    if counters:
+        meta["counters_since_delta_snapshot"] = counters
+    return meta
+
+
+def delta_snapshots(saver: Any, thread_id: str, checkpoint_id: str, checkpoint: dict) -> dict[str, Any]:
+    """For a checkpoint that is to stand without its ancestors: each delta channel its step did
+    not store, with its value there as a `_DeltaSnapshot` (what LangGraph writes every
+    `snapshot_frequency` updates). Read through `saver`, LangGraph's own (SQLite or PostgreSQL)."""
+    from langgraph.channels import DeltaChannel
+    from langgraph.checkpoint.serde.types import _DeltaSnapshot
+
+    from .agent import build_graph
+
+    specs = build_graph(None, saver).channels
+    missing = [
+        key for key, spec in specs.items()
+        if isinstance(spec, DeltaChannel) and key in checkpoint["channel_versions"]
+        and key not in checkpoint["channel_values"]
+    ]
+    if not missing:
+        return {}
+    config = {"configurable": {"thread_id": thread_id, "checkpoint_ns": "", "checkpoint_id": checkpoint_id}}
+    # What LangGraph does to read the channel at this checkpoint: the nearest stored value, then
+    # the writes of the ancestors after it, in order (not the checkpoint's own pending writes).
+    histories = saver.get_delta_channel_history(config=config, channels=missing)
+    snapshots = {}
+    for key in missing:
+        channel = specs[key].from_checkpoint(histories[key].get("seed"))
+        channel.replay_writes(histories[key]["writes"])
+        snapshots[key] = _DeltaSnapshot(channel.get())
+    return snapshots
+
+
 def plan_prune(reader: sqlite3.Connection | None, conversation_id: str, keep: int | None = None) -> PrunePlan:
     """Which checkpoints go, and what the oldest kept one must hold to keep the state exact.
 
@@ -239,17 +303,7 @@ def plan_prune(reader: sqlite3.Connection | None, conversation_id: str, keep: in
     }
     if not rows:
         return PrunePlan(Removal("prune", conversation_id))
-    # The head is what LangGraph reads as the thread's state: the greatest id. Its ancestors,
-    # newest first, are the thread's one branch of history.
-    chain, seen = [max(rows)], {max(rows)}
-    while (parent := rows[chain[-1]][0]) in rows and parent not in seen:
-        chain.append(parent)
-        seen.add(parent)
-    if keep is None:
-        latest_run = rows[chain[0]][1].get("run_id")
-        keep = next((n for n, cid in enumerate(chain) if rows[cid][1].get("run_id") != latest_run), len(chain))
-    kept = tuple(chain[:keep])
-    pruned = [cid for cid in rows if cid not in kept]
+    kept, pruned, steps = kept_and_pruned(rows, keep)
     if not pruned:
         return PrunePlan(Removal("prune", conversation_id, kept_checkpoints=len(kept)), kept=kept)
 
@@ -259,26 +313,20 @@ def plan_prune(reader: sqlite3.Connection | None, conversation_id: str, keep: in
     writes, write_bytes = _rows_and_bytes(reader, "writes", not_kept, params)
     new_root = kept[-1]
     root_type, root_checkpoint, root_metadata, grown = _as_root(reader, conversation_id, new_root)
-    steps = [rows[cid][1].get("step") for cid in pruned if isinstance(rows[cid][1].get("step"), int)]
     removal = Removal(
         "prune", conversation_id, checkpoints=checkpoints, writes=writes,
         bytes=checkpoint_bytes + write_bytes, kept_checkpoints=len(kept), snapshot_bytes=grown,
     )
     return PrunePlan(
         removal, kept=kept, new_root=new_root, root_type=root_type, root_checkpoint=root_checkpoint,
-        root_metadata=root_metadata, steps=(min(steps, default=None), max(steps, default=None)),
+        root_metadata=root_metadata, steps=steps,
     )
 
 
 def _as_root(reader: sqlite3.Connection, thread_id: str, checkpoint_id: str) -> tuple[str, bytes, bytes, int]:
-    """The checkpoint `checkpoint_id` rewritten to stand without its ancestors: every delta
-    channel its step did not store gets its value there as a `_DeltaSnapshot` (type, blob,
-    metadata, and how many bytes it grows by)."""
-    from langgraph.channels import DeltaChannel
-    from langgraph.checkpoint.serde.types import _DeltaSnapshot
+    """The checkpoint `checkpoint_id` rewritten to stand without its ancestors (`delta_snapshots`):
+    its type, blob and metadata, and how many bytes it grows by."""
     from langgraph.checkpoint.sqlite import SqliteSaver
-
-    from .agent import build_graph
 
     saver = SqliteSaver(reader)
     saver.is_setup = True  # the tables exist; setup() would write
@@ -287,28 +335,12 @@ def _as_root(reader: sqlite3.Connection, thread_id: str, checkpoint_id: str) -> 
         " WHERE thread_id = ? AND checkpoint_ns = '' AND checkpoint_id = ?", (thread_id, checkpoint_id),
     ).fetchone()
     checkpoint = saver.serde.loads_typed((type_, blob))
-    specs = build_graph(None, saver).channels
-    missing = [
-        key for key, spec in specs.items()
-        if isinstance(spec, DeltaChannel) and key in checkpoint["channel_versions"]
-        and key not in checkpoint["channel_values"]
-    ]
-    if not missing:
+    snapshots = delta_snapshots(saver, thread_id, checkpoint_id, checkpoint)
+    if not snapshots:
         return type_, blob, metadata, 0
-    config = {"configurable": {"thread_id": thread_id, "checkpoint_ns": "", "checkpoint_id": checkpoint_id}}
-    # What LangGraph does to read the channel at this checkpoint: the nearest stored value, then
-    # the writes of the ancestors after it, in order (not the checkpoint's own pending writes).
-    histories = saver.get_delta_channel_history(config=config, channels=missing)
-    for key in missing:
-        channel = specs[key].from_checkpoint(histories[key].get("seed"))
-        channel.replay_writes(histories[key]["writes"])
-        checkpoint["channel_values"][key] = _DeltaSnapshot(channel.get())
+    checkpoint["channel_values"].update(snapshots)
     new_type, new_blob = saver.serde.dumps_typed(checkpoint)
-    meta = json.loads(metadata) if metadata else {}
-    counters = {k: v for k, v in (meta.get("counters_since_delta_snapshot") or {}).items() if k not in missing}
-    meta.pop("counters_since_delta_snapshot", None)
-    if counters:
-        meta["counters_since_delta_snapshot"] = counters
+    meta = without_snapshot_counters(json.loads(metadata) if metadata else {}, list(snapshots))
     new_metadata = json.dumps(meta, ensure_ascii=False).encode("utf-8")
     return new_type, new_blob, new_metadata, len(new_blob) + len(new_metadata) - len(blob) - len(metadata or b"")
 

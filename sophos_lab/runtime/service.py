@@ -1039,7 +1039,8 @@ class AgentService:
         conversation_id = parse_conversation_id(conversation)
         keep = retention.parse_keep(keep)
         self._check_idle(conversation_id)
-        self._require_sqlite()
+        if self.settings.database_url:
+            return self.store.prune_conversation(conversation_id, keep, self._retention_owner(), dry_run)
         path = self.settings.database_path
         with retention.read_only(path) as conn:
             retention.require_conversation(conn, conversation_id)
@@ -1052,24 +1053,24 @@ class AgentService:
 
     async def vacuum(self) -> Vacuum:
         """Give the space of deleted rows back to the file system (`VACUUM`, then the WAL folded
-        back into the file); the file's size before and after. Refused while a run is running."""
+        back into the file; on PostgreSQL `VACUUM FULL` of the kit's and LangGraph's tables); the
+        size before and after. Refused while a run is running."""
+        if self.settings.database_url:
+            return self.store.vacuum(self._retention_owner())
         self._require_file()
         async with shared_lock(self.settings.database_path):
             return retention.vacuum(self.store.conn, self.settings.database_path, self._retention_owner())
 
+    def conversation_ids(self) -> list[str]:
+        """Every conversation id, oldest first (read-only on SQLite; what `prune --all` goes through)."""
+        if self.settings.database_url:
+            return self.store.conversation_ids()
+        return retention.conversation_ids(self.settings.database_path)
+
     def _require_file(self) -> None:
         """Retention on a file that does not exist is refused, and does not create it."""
-        self._require_sqlite()
         if not self.store.is_open and not self.settings.database_path.exists():
             raise SophosError(errors.NOT_FOUND, f"No database at {self.settings.database_path}")
-
-    def _require_sqlite(self) -> None:
-        """Prune and vacuum are the SQLite file's (see docs/postgres.md for PostgreSQL's)."""
-        if self.settings.database_url:
-            raise SophosError(errors.CONFIG_ERROR, (
-                "Prune and vacuum work on the SQLite file only (DATABASE_URL is set): on PostgreSQL, "
-                "LangGraph's saver cannot prune a delta channel's thread, and the server's autovacuum "
-                "reclaims deleted rows. Nothing was changed."))
 
     def _retention_owner(self) -> Owner | None:
         """Who judges whether a run's owner is gone: this store (a fresh identity before it is
