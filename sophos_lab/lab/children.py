@@ -34,6 +34,7 @@ from .worker import parse_line
 
 EXITED = "process-exited"
 KERNEL_ERROR = "kernel-error"
+CELL_DONE = "executed"   # the lab's own mark that a kernel cell finished; not one of the run's events
 FATAL_EVENTS = (EXITED, KERNEL_ERROR)
 
 
@@ -251,7 +252,10 @@ class _Child(abc.ABC):
         return event["data"]["conversation"]
 
     def events(self) -> list[dict[str, Any]]:
-        return self.log.of_command()
+        """The latest command's events, in the order they reached the lab. A kernel child's
+        cell-finished marks are left out: when one lands before or after the final event is a
+        race of two channels, and it is no event of the run."""
+        return [e for e in self.log.of_command() if e["event"] != CELL_DONE]
 
     def freeze(self) -> None:
         """SIGSTOP: the child stops where it is, alive but unable to renew its lease."""
@@ -412,7 +416,7 @@ class LabKernel(_Child):
     def execute(self, code: str, timeout: float = 60.0) -> None:
         """Run code in the child kernel and wait for it to finish; raises on an error."""
         msg_id = self.kc.execute(code, store_history=False)
-        done = self.log.wait_for("executed", timeout=timeout, since=0, msg_id=msg_id)
+        done = self.log.wait_for(CELL_DONE, timeout=timeout, since=0, msg_id=msg_id)
         if done["data"]["error"]:
             raise RuntimeError(f"the child kernel raised {done['data']['error']}")
 
@@ -543,7 +547,7 @@ class LabKernel(_Child):
                 errors[parent] = f"{content['ename']}: {content['evalue']}"
             elif kind == "status" and content["execution_state"] == "idle" and parent:
                 error = errors.pop(parent, None)
-                self.log.append({"event": "executed", "data": {"msg_id": parent, "error": error}})
+                self.log.append({"event": CELL_DONE, "data": {"msg_id": parent, "error": error}})
                 if error:
                     self.log.append({"event": KERNEL_ERROR, "data": {"msg_id": parent, "error": error}})
 
