@@ -458,7 +458,16 @@ def main(argv: list[str] | None = None) -> None:
         "reset", help="start lessons over: LESSON ... replaces your copy of each and removes its lab "
                       "folder; with no LESSON, deletes all lab state (.lab/: every copy, database, setting)")
     reset_parser.add_argument("lessons", nargs="*", metavar="LESSON", help="e.g. 00_start_here")
-    commands.add_parser("worker", help="run the agent as a child process driven over stdin")
+    commands.add_parser("agent-child", help="run the agent as a child process driven over stdin (the lab's)")
+    worker = commands.add_parser(
+        "worker", help="claim and run queued runs (PostgreSQL, with SOPHOS_LAB_RUNS=workers on the servers)",
+        description="Claim runs that servers with SOPHOS_LAB_RUNS=workers queued in DATABASE_URL and run them; "
+                    "SIGTERM drains (each run stops at its next step boundary, is recorded) and exits 0.")
+    worker.add_argument("--concurrency", type=int, default=1, help="runs this worker runs at once (default 1)")
+    pool = commands.add_parser(
+        "worker-pool", help="start N workers and restart any that dies (its runs relabelled at once)")
+    pool.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    pool.add_argument("--concurrency", type=int, default=1, help="runs each worker runs at once (default 1)")
     _add_retention_commands(commands)
     copy = commands.add_parser(
         "migrate-to-postgres", help="copy a SQLite lab (conversations, checkpoint history, runs, gates) into PostgreSQL",
@@ -483,10 +492,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(serve_api(args.host, args.port, args.lab_child))
     elif args.command == "reset":
         print(reset(args.lessons))
-    elif args.command == "worker":
-        from .lab.worker import main as worker_main
+    elif args.command == "agent-child":
+        from .lab.worker import main as child_main
 
-        worker_main()
+        child_main()
+    elif args.command in ("worker", "worker-pool"):
+        if args.concurrency < 1 or (args.command == "worker-pool" and args.workers < 1):
+            parser.error("--workers and --concurrency must be at least 1")
+        from .runtime import workers
+
+        sys.exit(workers.worker_main(args.concurrency) if args.command == "worker"
+                 else workers.worker_pool(args.workers, args.concurrency))
     elif args.command in ("delete", "prune", "vacuum"):
         sys.exit(retention(args))
     elif args.command == "migrate-to-postgres":

@@ -15,6 +15,7 @@ reach them directly: they exit when the dead child's end of their stdin closes.
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import os
 import queue
@@ -347,6 +348,85 @@ class LabWorker(_Child):
         except ChildProcessError:  # its fork server died: the status is lost, the end is not
             returncode = None
         self.log.append_once({"event": EXITED, "data": {"returncode": returncode}})
+
+
+class LabPoolWorker:
+    """`sophos-lab worker`: one worker of a pool on the lab's PostgreSQL (see `runtime.workers`),
+    in a process group of its own, to kill, freeze and drain. It takes no commands: servers with
+    `SOPHOS_LAB_RUNS=workers` queue the runs it claims. `start()` returns once it listens."""
+
+    def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path, concurrency: int = 1) -> None:
+        self.env = child_environment(env)
+        self.cwd, self.log_path, self.concurrency = Path(cwd), Path(log_path), concurrency
+        self.proc: subprocess.Popen | ForkedProcess | None = None
+        self.owner: str | None = None
+        """Its owner id (as `runs.owner_id` names it), once started."""
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 60.0) -> LabPoolWorker:
+        from ..runtime.workers import READY
+
+        with open(self.log_path, "ab") as stderr:
+            self.proc = start_child("sophos_lab.cli", ["worker", "--concurrency", str(self.concurrency)],
+                                    env=self.env, cwd=self.cwd, stderr=stderr)
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                if line.startswith(READY):
+                    self.owner = dict(part.split("=", 1) for part in line.split()[2:])["owner"]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(timeout) or self.owner is None:
+            code = self.proc.poll()
+            raise ChildFailed(f"the worker did not start (exit code {code}); see {self.log_path}")
+        return self
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> int:
+        """SIGKILL to its process group (its MCP servers exit when their stdin closes); its exit code."""
+        assert self.proc is not None
+        _killpg(self.proc.pid, signal.SIGKILL)
+        self.returncode = self.proc.wait()
+        return self.returncode
+
+    def freeze(self) -> None:
+        """SIGSTOP: alive, but unable to renew its lease."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def shutdown(self, timeout: float = 60.0) -> int:
+        """SIGTERM: it stops claiming, drains its runs (each recorded) and exits; its exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.returncode = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return self.kill()
+        return self.returncode
+
+    def close(self) -> None:
+        if self.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+            self.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 KERNEL_NAME = "sophos-lab-child"

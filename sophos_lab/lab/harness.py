@@ -328,6 +328,22 @@ class Lab:
         self._children.append(child)
         return child.start()
 
+    def pool_worker(self, concurrency: int = 1, **env: str):
+        """Start one `sophos-lab worker` on this lab's PostgreSQL (`Lab.setup(postgres=True)`):
+        it claims the runs that servers started with `SOPHOS_LAB_RUNS="workers"` queue. A
+        `LabPoolWorker` to kill, freeze, thaw and shut down; `owner` is its `runs.owner_id`."""
+        from .children import LabPoolWorker
+
+        if not self.database_url:
+            raise ValueError("a pool of workers needs PostgreSQL: Lab.setup(..., postgres=True)")
+        child = LabPoolWorker(self.env(**env), cwd=self.root, log_path=self._log("pool-worker"), concurrency=concurrency)
+        self._children.append(child)
+        return child.start()
+
+    def worker_pool(self, workers: int = 2, concurrency: int = 1, **env: str) -> list:
+        """`workers` pool workers (`pool_worker`), each a process of its own."""
+        return [self.pool_worker(concurrency, **env) for _ in range(workers)]
+
     def service(self, **env: str):
         """An `AgentService` in this process, with this lab's settings."""
         from ..runtime.service import AgentService

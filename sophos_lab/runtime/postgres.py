@@ -152,6 +152,27 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TRIGGER sophos_fence BEFORE INSERT ON checkpoint_writes
         FOR EACH ROW EXECUTE FUNCTION sophos_fence();
     """,
+    # v3: the queue of a pool of workers (see `queue`): a run accepted and not yet claimed is
+    # `queued` and counts as active; its events, for every web server, in `run_events`.
+    """
+    ALTER TABLE runs DROP CONSTRAINT runs_status_check;
+    ALTER TABLE runs ADD CONSTRAINT runs_status_check CHECK
+        (status IN ('queued', 'running', 'interrupted', 'completed', 'failed', 'cancelled', 'waiting'));
+    ALTER TABLE runs ADD COLUMN claimed_at TEXT, ADD COLUMN requeues INTEGER NOT NULL DEFAULT 0;
+    DROP INDEX one_running_run_per_conversation;
+    CREATE UNIQUE INDEX one_active_run_per_conversation ON runs (conversation_id)
+        WHERE status IN ('queued', 'running');
+    CREATE INDEX queued_runs ON runs (seq) WHERE status = 'queued';
+    CREATE UNLOGGED TABLE run_events (
+        run_id TEXT NOT NULL,
+        id INTEGER NOT NULL,
+        conversation_id TEXT NOT NULL,
+        event TEXT NOT NULL,
+        data TEXT NOT NULL,
+        PRIMARY KEY (run_id, id)
+    );
+    CREATE INDEX run_events_by_conversation ON run_events (conversation_id);
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -302,7 +323,8 @@ def _owner_row(row: dict) -> dict | None:
     return {**row, "lease_expires_at": time.time() + row["lease_left"]}
 
 
-_RELABEL = f"UPDATE runs SET {RELABELLED} finished_at = %s WHERE status = 'running' AND id = ANY(%s) RETURNING id, conversation_id"
+_RELABEL = (f"UPDATE runs SET {RELABELLED} finished_at = %s WHERE status = 'running' AND id = ANY(%s)"
+            " RETURNING id, conversation_id, status, error_code, error_message")
 
 
 class PostgresStore:
@@ -394,7 +416,10 @@ class PostgresStore:
         conversations (see `counting`); how many were relabelled."""
         if not run_ids:
             return 0
+        from . import queue
+
         relabelled = conn.execute(_RELABEL, (utc_now(), run_ids)).fetchall()
+        queue.close_events(conn, relabelled)  # a worker's run: its followers' final event
         for conversation_id in {row["conversation_id"] for row in relabelled}:
             try:
                 count = shown_message_count(self.url, conversation_id)
@@ -487,52 +512,124 @@ class PostgresStore:
                   title: str | None = None, idempotency: IdempotencyKey | None = None,
                   decision: tuple[Gate, dict[str, dict]] | None = None) -> None:
         """As `Store.start_run`, in one transaction; the partial unique index refuses a second
-        `running` run on the conversation, whichever process or host tries."""
+        active run on the conversation, whichever process or host tries."""
         self._recover(conversation_id)
-        now = utc_now()
+        with self._starting(idempotency) as conn:
+            self._lease(conn)
+            self._insert_run(conn, run_id, conversation_id, "running", self.owner.id, input_messages, title,
+                             idempotency, decision)
+
+    def queue_run(self, run_id: str, conversation_id: str, input_messages: list[dict[str, str]] | None,
+                  title: str | None, idempotency: IdempotencyKey | None,
+                  decision: tuple[Gate, dict[str, dict]] | None, resume: bool) -> None:
+        """As `start_run`, for a worker to claim (`queue`): the run `queued`, owned by no one,
+        with its `started` event; the workers are woken once it is committed."""
+        from . import queue
+
+        self._recover(conversation_id)
+        with self._starting(idempotency) as conn:
+            self._insert_run(conn, run_id, conversation_id, "queued", None, input_messages, title,
+                             idempotency, decision)
+            queue.queue_started(conn, run_id, conversation_id, resume)
+
+    @contextlib.contextmanager
+    def _starting(self, idempotency: IdempotencyKey | None) -> Iterator[psycopg.Connection]:
         try:
             with self.transaction() as conn:
-                if title is not None:
-                    conn.execute("INSERT INTO conversations (id, title, created_at, updated_at)"
-                                 " VALUES (%s, %s, %s, %s)", (conversation_id, _title(title), now, now))
-                self._lease(conn)
-                conn.execute(
-                    "INSERT INTO runs (id, conversation_id, status, started_at, owner_id, input)"
-                    " VALUES (%s, %s, 'running', %s, %s, %s)",
-                    (run_id, conversation_id, now, self.owner.id,
-                     json.dumps(input_messages, ensure_ascii=False) if input_messages else None))
-                conn.execute("UPDATE conversations SET updated_at = %s, message_count = message_count + %s"
-                             " WHERE id = %s", (now, len(input_messages or ()), conversation_id))
-                if idempotency is not None:
-                    conn.execute("INSERT INTO idempotency_keys (key, request, conversation_id, run_id, created_at)"
-                                 " VALUES (%s, %s, %s, %s, %s)",
-                                 (idempotency.key, idempotency.request, conversation_id, run_id, now))
-                if decision is not None:
-                    gate, decisions = decision
-                    decided = conn.execute(
-                        "UPDATE gates SET decisions = %s, decided_at = %s, decided_run_id = %s"
-                        " WHERE conversation_id = %s AND id = %s AND decisions IS NULL",
-                        (json.dumps(decisions, ensure_ascii=False), now, run_id, gate.conversation_id, gate.id),
-                    ).rowcount
-                    if not decided:
-                        raise SophosError(GATE_DECIDED, f"The gate {gate.id} was decided already")
+                yield conn
         except psycopg.errors.UniqueViolation as error:
             constraint = error.diag.constraint_name
             if constraint == "idempotency_keys_pkey":
                 raise SophosError(IDEMPOTENCY_KEY_REUSED,
                                   f"The idempotency key {idempotency.key!r} has started a run already") from error
-            if constraint == "one_running_run_per_conversation":
+            if constraint == "one_active_run_per_conversation":
                 raise SophosError(SESSION_IN_PROGRESS, "Previous request still in progress") from error
             raise
+
+    @staticmethod
+    def _insert_run(conn: psycopg.Connection, run_id: str, conversation_id: str, status: str, owner_id: str | None,
+                    input_messages: list[dict[str, str]] | None, title: str | None,
+                    idempotency: IdempotencyKey | None, decision: tuple[Gate, dict[str, dict]] | None) -> None:
+        now = utc_now()
+        if title is not None:
+            conn.execute("INSERT INTO conversations (id, title, created_at, updated_at)"
+                         " VALUES (%s, %s, %s, %s)", (conversation_id, _title(title), now, now))
+        conn.execute(
+            "INSERT INTO runs (id, conversation_id, status, started_at, owner_id, input)"
+            " VALUES (%s, %s, %s, %s, %s, %s)",
+            (run_id, conversation_id, status, now, owner_id,
+             json.dumps(input_messages, ensure_ascii=False) if input_messages else None))
+        conn.execute("UPDATE conversations SET updated_at = %s, message_count = message_count + %s"
+                     " WHERE id = %s", (now, len(input_messages or ()), conversation_id))
+        if idempotency is not None:
+            conn.execute("INSERT INTO idempotency_keys (key, request, conversation_id, run_id, created_at)"
+                         " VALUES (%s, %s, %s, %s, %s)",
+                         (idempotency.key, idempotency.request, conversation_id, run_id, now))
+        if decision is not None:
+            gate, decisions = decision
+            decided = conn.execute(
+                "UPDATE gates SET decisions = %s, decided_at = %s, decided_run_id = %s"
+                " WHERE conversation_id = %s AND id = %s AND decisions IS NULL",
+                (json.dumps(decisions, ensure_ascii=False), now, run_id, gate.conversation_id, gate.id),
+            ).rowcount
+            if not decided:
+                raise SophosError(GATE_DECIDED, f"The gate {gate.id} was decided already")
+
+    def claim_run(self) -> Run | None:
+        """The oldest queued run, now this owner's and `running` (`queue.claim`); None if none."""
+        from . import queue
+
+        with self.transaction() as conn:
+            self._lease(conn)
+            return _run(queue.claim(conn, self.owner.id, utc_now()))
+
+    def cancel_remote(self, run_id: str) -> bool:
+        """Cancel a run of the queue from any process: a queued one is `cancelled` at once (with
+        its final event); a claimed one gets its request written and its worker told. False
+        when it is neither any more."""
+        from . import queue
+
+        with self.transaction() as conn:
+            now = utc_now()
+            return queue.cancel_queued(conn, run_id, now) or queue.request_cancel(conn, run_id, now)
+
+    def close_orphaned_events(self, run_id: str) -> None:
+        """A worker's run whose outcome is recorded but whose final event its worker never
+        wrote (it died in between): write it from the row, once that worker is gone."""
+        from . import queue
+
+        with self.transaction() as conn:
+            row = conn.execute(
+                "SELECT r.*, o.id AS owner_row, o.host, o.boot_id, o.pid, o.pid_started, o.lease_expires_monotonic,"
+                " EXTRACT(EPOCH FROM o.lease_expires_at - now())::float8 AS lease_left, o.id IS NOT NULL AS has_owner"
+                " FROM runs r LEFT JOIN owners o ON o.id = r.owner_id WHERE r.id = %s FOR UPDATE OF r",
+                (run_id,)).fetchone()
+            if row is None or row["status"] in ("queued", "running"):
+                return
+            owner = _owner_row({**row, "id": row["owner_row"]})
+            if owner is None or owner_gone(owner, self.owner):
+                queue.close_events(conn, [row])
+
+    def cancel_requested(self, run_id: str) -> bool:
+        row = self.conn.execute("SELECT cancel_requested_at FROM runs WHERE id = %s", (run_id,)).fetchone()
+        return row is not None and row["cancel_requested_at"] is not None
+
+    def event_span(self, run_id: str) -> tuple[int, int]:
+        from . import queue
+
+        return queue.event_span(self.conn, run_id)
 
     def finish_run(self, run_id: str, status: str, message_count: int | None, error_code: str | None = None,
                    error_message: str | None = None, gate: Gate | None = None) -> bool:
         now = utc_now()
         mine, params = ("", ()) if self.single_owner else (" AND status = 'running' AND owner_id = %s", (self.owner.id,))
+        # A cancel another process recorded first (a worker's run) wins over any other outcome:
+        # this is refused, and the caller records `cancelled` (see `cancel_requested`).
+        mine += " AND (cancel_requested_at IS NULL OR %s = 'cancelled')"
         with self.transaction() as conn:
             updated = conn.execute(
                 "UPDATE runs SET status = %s, error_code = %s, error_message = %s, finished_at = %s"
-                " WHERE id = %s" + mine, (status, error_code, error_message, now, run_id, *params)).rowcount
+                " WHERE id = %s" + mine, (status, error_code, error_message, now, run_id, *params, status)).rowcount
             if updated and message_count is not None:
                 conn.execute("UPDATE conversations SET message_count = %s, updated_at = %s"
                              " WHERE id = (SELECT conversation_id FROM runs WHERE id = %s)", (message_count, now, run_id))
@@ -612,11 +709,11 @@ class PostgresStore:
         ends before this goes on, and a run that starts later waits for this transaction."""
         if conn.execute("SELECT 1 FROM conversations WHERE id = %s FOR UPDATE", (conversation_id,)).fetchone() is None:
             raise SophosError(NOT_FOUND, f"Conversation Not Found: {conversation_id}")
-        running = {row["id"] for row in conn.execute(
-            "SELECT id, status FROM runs WHERE conversation_id = %s FOR UPDATE", (conversation_id,))
-            if row["status"] == "running"}
+        statuses = {row["id"]: row["status"] for row in conn.execute(
+            "SELECT id, status FROM runs WHERE conversation_id = %s FOR UPDATE", (conversation_id,))}
+        running = {run_id for run_id, status in statuses.items() if status == "running"}
         gone = set() if me is None else set(self._stale_runs(conn, conversation_id))
-        if running - gone:
+        if running - gone or "queued" in statuses.values():
             raise SophosError(SESSION_IN_PROGRESS, (
                 f"Conversation {conversation_id} has a run in progress in a live process; "
                 f"{action} it once the run has finished. Nothing was changed."))
@@ -718,11 +815,11 @@ class PostgresStore:
         `VACUUM FULL` locks each table whole while it rewrites it."""
         conn = self.conn
         with self._lock:
-            running = [row["id"] for row in conn.execute("SELECT id FROM runs WHERE status = 'running'")]
+            running = [row["id"] for row in conn.execute("SELECT id FROM runs WHERE status IN ('running', 'queued')")]
             gone = set() if me is None else set(self._stale_runs(conn, None))
             if live := [run for run in running if run not in gone]:
                 raise SophosError(SESSION_IN_PROGRESS, (
-                    f"{len(live)} run(s) in progress in a live process; VACUUM FULL locks each table while it "
+                    f"{len(live)} run(s) queued or in progress in a live process; VACUUM FULL locks each table while it "
                     "rewrites it, so run it when they have finished. Nothing was changed."))
             tables = [table for table, _ in _KEYED_TO_CONVERSATION] + ["owners"]
             size = ("SELECT sum(pg_total_relation_size(t::regclass))::bigint AS size"
@@ -748,7 +845,7 @@ def _title(message: str) -> str:
 
 # Children before parents: the checkpoint tables have no foreign keys, the kit's cascade anyway.
 _KEYED_TO_CONVERSATION = (
-    ("checkpoint_writes", "thread_id"), ("checkpoint_blobs", "thread_id"), ("checkpoints", "thread_id"),
+    ("run_events", "conversation_id"), ("checkpoint_writes", "thread_id"), ("checkpoint_blobs", "thread_id"), ("checkpoints", "thread_id"),
     ("prunes", "conversation_id"), ("idempotency_keys", "conversation_id"), ("gates", "conversation_id"),
     ("runs", "conversation_id"), ("conversations", "id"),
 )

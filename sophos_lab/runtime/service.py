@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from langchain_core.messages import HumanMessage
 from langgraph.errors import GraphDrained
@@ -215,10 +215,14 @@ class ActiveRun:
     replayed: bool = False
     """Not started by this call: the run a repeated request (idempotency key, approval) started
     first; it may have finished long ago, and then holds its `started` and final events only."""
+    sink: Callable[[str, str, Event], None] | None = None
+    """A worker's: given each event as it is published, to write it where every server reads it."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, name: str, data: Any) -> Event:
         event = Event(self.last_id + 1, name, data)
+        if self.sink is not None:
+            self.sink(self.id, self.conversation, event)
         self.buffer.append(event)
         if self.keep is not None and len(self.buffer) > self.keep:
             excess = len(self.buffer) - self.keep
@@ -270,6 +274,14 @@ class ActiveRun:
 def open_store(settings: Settings) -> Store:
     """The application tables where the settings put them: the SQLite file, or PostgreSQL
     (`DATABASE_URL`; `postgres.PostgresStore` has `Store`'s interface). Nothing is opened yet."""
+    if settings.runs not in ("here", "workers"):
+        raise SophosError(errors.CONFIG_ERROR, (
+            f"SOPHOS_LAB_RUNS is {settings.runs!r}: say `here` (this process runs its runs; the default) "
+            "or `workers` (a pool of workers runs them; PostgreSQL only)."))
+    if settings.on_workers and (not settings.database_url or settings.single_owner):
+        raise SophosError(errors.CONFIG_ERROR, (
+            "SOPHOS_LAB_RUNS=workers needs DATABASE_URL (a pool of workers shares a PostgreSQL "
+            "database) and the kit's ownership (not SOPHOS_LAB_SINGLE_OWNER)."))
     if not settings.database_url:
         return Store(settings.database_path, lease_seconds=settings.lease_seconds, single_owner=settings.single_owner)
     from .postgres import PostgresStore, is_postgres_url
@@ -300,6 +312,8 @@ class AgentService:
         """run id → conversation: this process's runs whose outcome it could not write (a full
         disk). Their rows say `running` under a live owner, which recovery leaves alone: they are
         relabelled `interrupted` here, as a crash's are, once the disk has room again."""
+        self._feed = None
+        """PostgreSQL with workers: the `LISTEN` connection that wakes followers of remote runs."""
         self.on_write: WriteObserver | None = None
         """Called right after each commit a run makes, in order, before any event tells of it:
         the run's row, each task's pending writes, each checkpoint, the outcome (see
@@ -352,7 +366,7 @@ class AgentService:
         state = await graph.aget_state(thread_config(summary.id))
         pending = self._pending_input(summary.id, state.metadata)
         messages = message_dtos(state.values.get("messages", [])) + pending_dtos(pending)
-        busy = summary.id in self.active or summary.status in ("running", "waiting")
+        busy = summary.id in self.active or summary.status in ("queued", "running", "waiting")
         work = work_left(state)
         return ConversationDetail(
             conversation=summary,
@@ -603,6 +617,8 @@ class AgentService:
         if row.status == "running" and (self._saver is None or not self._saver.lock.locked()):
             self.store.recover(row.conversation_id)  # its owner may be gone (see _recover_before_listing)
             row = self.store.get_run(run_id)
+        if self.settings.on_workers and self.store.event_span(run_id)[1]:
+            return self._remote(row.id, row.conversation_id, row.input is None, replayed=True)
         if row.status == "running":
             raise SophosError(errors.SESSION_IN_PROGRESS, (
                 f"Run {run_id} is running in another process: follow it there."))
@@ -638,6 +654,13 @@ class AgentService:
         """
         conversation_id = self._existing(conversation).id
         run = self.active.get(conversation_id)
+        if run is None and self.settings.on_workers:
+            latest = self.store.latest_run(conversation_id)
+            if latest is not None and latest.status in ("queued", "running") and self.store.event_span(latest.id)[1]:
+                # A worker's run: recorded first (a queued one is cancelled at once), then its worker told.
+                remote = self._remote(latest.id, conversation_id, latest.input is None)
+                self.store.cancel_remote(latest.id)
+                return await remote.wait()
         if run is None:
             latest = self.store.latest_run(conversation_id)
             where = (" (its latest run is running in another process: cancel it there)"
@@ -695,6 +718,8 @@ class AgentService:
         if self._lease_keeper is not None:
             self._lease_keeper.cancel()
         await self.tools.aclose()
+        if self._feed is not None:
+            await self._feed.aclose()
         conn, self._saver_conn, self._graph = self._saver_conn, None, None
         if conn is not None:
             await conn.close()
@@ -826,7 +851,11 @@ class AgentService:
         decision: tuple[Gate, dict[str, dict]] | None = None,
     ) -> ActiveRun:
         """Write the run (with its messages, key and gate decision), then publish `started` and
-        run the graph: with the messages, or `command` (a gate's decisions), or from `next`."""
+        run the graph: with the messages, or `command` (a gate's decisions), or from `next`.
+        With workers, queue it instead (the same row `queued`, and its `started` event): a
+        worker claims it and works out the same input (`start_claimed`)."""
+        if self.settings.on_workers:
+            return await self._queue(conversation_id, messages, resume, title, idempotency, decision)
         run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume,
                         keep=self.settings.event_buffer)
 
@@ -847,6 +876,78 @@ class AgentService:
         fold = bool(messages) and title is None
         run.task = asyncio.create_task(self._execute(run, self._graph, graph_input, fold))
         return run
+
+    async def _queue(self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None,
+                     idempotency: IdempotencyKey | None, decision: tuple[Gate, dict[str, dict]] | None) -> Any:
+        run_id = str(uuid.uuid4())
+
+        def queue() -> None:
+            self._check_accepting()
+            self.store.queue_run(run_id, conversation_id, messages, title, idempotency, decision, resume)
+            self._observe(DurableWrite("run", conversation_id))
+
+        await self._write(queue)
+        return self._remote(run_id, conversation_id, resume)
+
+    def _remote(self, run_id: str, conversation_id: str, resume: bool, replayed: bool = False) -> Any:
+        """A worker's run, to follow from the events table (`queue.RemoteRun`)."""
+        from .queue import EventFeed, RemoteRun
+
+        if self._feed is None:
+            self._feed = EventFeed(self.settings.database_url)
+        dropped, last = self.store.event_span(run_id)
+        return RemoteRun(run_id, conversation_id, resume, self._feed, self._look, self.settings.lease_seconds / 3,
+                         dropped=dropped, last_id=last, replayed=replayed)
+
+    async def _look(self, run: Any) -> None:
+        """No news of a worker's run for a while: if its worker is gone, relabel it (which writes
+        its final event), or write the final event of an outcome it recorded and did not announce."""
+        await self._graph_ready()
+        await self._write(self._recover, run.conversation)
+        await self._write(self.store.close_orphaned_events, run.id)
+
+    def run_to_follow(self, conversation_id: str, after: int) -> Any:
+        """With workers: the conversation's latest run to follow from the events table, if it is
+        queued or running, or if the client has events of it (`after`) still kept; else None."""
+        latest = self.store.latest_run(conversation_id)
+        if latest is None:
+            return None
+        dropped, last = self.store.event_span(latest.id)
+        if not last or (latest.status not in ("queued", "running") and not after):
+            return None
+        return self._remote(latest.id, conversation_id, latest.input is None)
+
+    async def start_claimed(self, row: Run, sink: Callable[[str, str, Event], None]) -> ActiveRun:
+        """As a worker: run a run this process claimed from the queue, with the input `resume()`
+        would work out for it (the accepted messages if they never reached the thread, a recorded
+        gate decision, else the thread's `next`). Its events go to `sink`, numbered after those
+        its row already has (`started`, written when it was queued)."""
+        graph = await self._graph_ready()
+        _, last = self.store.event_span(row.id)
+        run = ActiveRun(id=row.id, conversation=row.conversation_id, resume=row.input is None,
+                        keep=self.settings.event_buffer, dropped=last, sink=sink)
+        self.active[row.conversation_id] = run
+        self._keep_lease()
+        state = await graph.aget_state(thread_config(row.conversation_id))
+        pending = self._pending_input(row.conversation_id, state.metadata)
+        graph_input = None
+        if pending:
+            graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in pending]}
+        elif (decided := self._decided_gate(row.conversation_id, state.interrupts)) is not None:
+            graph_input = Command(resume={decided.id: decided.decisions})
+        run.task = asyncio.create_task(self._execute(run, graph, graph_input, fold=bool(pending)))
+        return run
+
+    def cancel_here(self, run_id: str) -> None:
+        """As a worker: another process recorded a cancel of this run (`queue.request_cancel`):
+        stop it as `cancel()` stops a run of its own."""
+        run = next((run for run in self.active.values() if run.id == run_id), None)
+        if run is None or run.cancel_requested or run.recorded:
+            return
+        run.cancel_requested = True
+        run.control.request_drain("cancel")
+        if run.in_graph and run.task is not None:
+            run.task.cancel()
 
     def _keep_lease(self) -> None:
         if self.settings.single_owner or (self._lease_keeper is not None and not self._lease_keeper.done()):
@@ -932,6 +1033,11 @@ class AgentService:
                 if run.cancel_requested:  # written before this, under the same lock: it wins
                     status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
                 recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at)
+                if not recorded and not run.cancel_requested and self.store.cancel_requested(run.id):
+                    # Another process recorded a cancel of this worker's run before this outcome.
+                    run.cancel_requested = True
+                    status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
+                    recorded = self.store.finish_run(run.id, status, count, *error, gate=None)
                 run.recorded = True
                 if recorded:
                     self._observe(DurableWrite("outcome", run.conversation, status=status))

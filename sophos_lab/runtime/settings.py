@@ -56,6 +56,10 @@ class Settings:
     process checks who owns a run before writing (lesson 08b shows what that costs)."""
     event_buffer: int = DEFAULT_EVENT_BUFFER
     """How many of a run's latest events are kept for replay (`Last-Event-ID`); older ones go."""
+    runs: str = "here"
+    """`SOPHOS_LAB_RUNS`: `here` (this process runs the runs it accepts) or `workers`
+    (PostgreSQL only: it queues them, and a pool of workers, `sophos-lab worker`, runs them;
+    see `queue`). Anything else is refused when the database is opened."""
     model_attempts: int = DEFAULT_MODEL_ATTEMPTS
     """Attempts of one model step (the first included) when it fails with a transient error."""
     tool_attempts: int = DEFAULT_TOOL_ATTEMPTS
@@ -93,6 +97,7 @@ class Settings:
             lease_seconds=positive(env.get("SOPHOS_LAB_LEASE_SECONDS"), DEFAULT_LEASE_SECONDS, float),
             single_owner=_flag(env.get("SOPHOS_LAB_SINGLE_OWNER")),
             event_buffer=positive(env.get("SOPHOS_LAB_EVENT_BUFFER"), DEFAULT_EVENT_BUFFER, int),
+            runs=(env.get("SOPHOS_LAB_RUNS") or "here").strip().lower(),
             model_attempts=positive(env.get("SOPHOS_LAB_MODEL_ATTEMPTS"), DEFAULT_MODEL_ATTEMPTS, int),
             tool_attempts=positive(env.get("SOPHOS_LAB_TOOL_ATTEMPTS"), DEFAULT_TOOL_ATTEMPTS, int),
             retry_base_seconds=positive(env.get("SOPHOS_LAB_RETRY_BASE_SECONDS"), DEFAULT_RETRY_BASE_SECONDS, float),
@@ -112,6 +117,11 @@ class Settings:
         """The wait before retry `retry` (1 for the first): min(base * 2^(retry-1), max), without
         jitter. With base 1 and max 30: 1, 2, 4, 8, 16, 30, 30..."""
         return min(self.retry_base_seconds * 2 ** (retry - 1), self.retry_max_seconds)
+
+    @property
+    def on_workers(self) -> bool:
+        """Runs accepted here are queued for a pool of workers (`runs == "workers"`)."""
+        return self.runs == "workers"
 
     @property
     def database(self) -> str:

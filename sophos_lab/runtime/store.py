@@ -271,6 +271,10 @@ class Run:
     """The user's messages this run adds to the thread, as JSON `[{"id", "content"}]`."""
     cancel_requested_at: str | None = None
     """When `cancel()` was accepted for this run (None: never asked to stop)."""
+    claimed_at: str | None = None
+    """PostgreSQL with workers: when a worker took the `queued` run (None: run where accepted)."""
+    requeues: int = 0
+    """PostgreSQL with workers: how often a crash put the run back in the queue (`RUN_REQUEUES`)."""
 
 
 @dataclass(frozen=True)
@@ -888,6 +892,11 @@ class Store:
             (utc_now(), run_id, *(() if self.single_owner else (self.owner.id,))),
         )])
         return bool(updated)
+
+    def cancel_requested(self, run_id: str) -> bool:
+        """Whether a cancel of the run is recorded (by any process)."""
+        row = self.conn.execute("SELECT cancel_requested_at FROM runs WHERE id = ?", (run_id,)).fetchone()
+        return row is not None and row[0] is not None
 
     def get_run(self, run_id: str) -> Run | None:
         row = self.conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()

@@ -147,6 +147,7 @@ async def follow_chat(request: Request) -> Response:
         conversation = conversation_id(request.query_params.get("conversation"))
     except SophosError as invalid:
         return stream(sse.single("chat-error", invalid.to_dict()))
+    after = sse.last_event_id(request.headers.get("last-event-id"))
     run = service.active.get(conversation)
     if run is None:
         try:
@@ -156,6 +157,8 @@ async def follow_chat(request: Request) -> Response:
             return stream(sse.single("chat-error", {"code": error.code, "message": message,
                                                     "conversation": conversation}))
         run = service.active.get(conversation)
+        if run is None and service.settings.on_workers:
+            run = service.run_to_follow(conversation, after)  # a worker's, from the events table
     if run is None:
         latest = service.store.latest_run(conversation)
         if latest is not None and latest.status == "running":  # its owner, another process, is alive
@@ -167,7 +170,7 @@ async def follow_chat(request: Request) -> Response:
         if (gate := service.pending_approval(conversation)) is not None:
             ended["approval"] = {"gate": gate.id, "calls": gate.calls}
         return stream(sse.single("end", ended))
-    return stream(sse.follow(run, sse.last_event_id(request.headers.get("last-event-id"))))
+    return stream(sse.follow(run, after))
 
 
 async def list_conversations(request: Request) -> Response:

@@ -1,0 +1,343 @@
+"""A pool of workers on PostgreSQL: the queue of accepted runs, and their events for every server.
+
+With `SOPHOS_LAB_RUNS=workers` the process that accepts a message runs no graph. It commits the
+run `queued`, with its input, its idempotency key and its gate decision, and its `started`
+event: accepted means committed. A worker (`sophos-lab worker`) claims the oldest queued run
+with `FOR UPDATE SKIP LOCKED`, so two workers never take the same one, and runs it as its owner
+under a lease, as a process runs its own run (recovery, the fence and the outcome's owner check
+are unchanged). One active run per conversation covers `queued` too (the partial unique index
+`one_active_run_per_conversation`).
+
+Events go through the database, so that any web server streams any run. The worker appends a
+run's events to `run_events` (ids per run, as in a process's buffer) and, in the same
+transaction, `NOTIFY`s `sophos_events`; every server `LISTEN`s on one connection and reads the
+rows from the id its client has. Persist, then notify, holds: the worker publishes a step's
+facts only after its checkpoint committed, and a row is in the table before anyone is told.
+`run_events` is UNLOGGED: a crash of the database server empties it (what is lost is a replay
+of events, never state: the checkpoints, runs and gates are logged tables, and a client that
+cannot replay reloads the conversation). It is bounded: a run keeps its latest `EVENT_BUFFER`
+events, and a conversation keeps only its latest run's.
+
+A worker that died, or whose lease ran out, cannot write its run's final event: the process that
+relabels the run writes it (`close_events`), in the relabel's transaction, and an owner that
+wakes up after that appends nothing more (`append_events` refuses a run that has its final
+event, or that is not the writer's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from . import errors
+from .errors import SophosError
+from .events import TERMINAL_EVENTS, Event
+
+log = logging.getLogger(__name__)
+
+QUEUE_CHANNEL = "sophos_queue"
+"""Notified with a run id when a run is queued: a waiting worker wakes and claims."""
+EVENTS_CHANNEL = "sophos_events"
+"""Notified with `"<run id> <last event id>"` when a run's events were appended."""
+CANCEL_CHANNEL = "sophos_cancel"
+"""Notified with a run id when a cancel of a claimed run was recorded: its worker stops it."""
+
+_TERMINAL = tuple(TERMINAL_EVENTS)
+
+
+def event_row(run_id: str, conversation_id: str, event: Event) -> tuple[Any, ...]:
+    # ASCII JSON: text PostgreSQL can hold whatever the data (a NUL, a lone surrogate).
+    return (run_id, event.id, conversation_id, event.event, json.dumps(event.data, ensure_ascii=True))
+
+
+def _decode(row: dict) -> Event:
+    return Event(row["id"], row["event"], json.loads(row["data"]))
+
+
+# in the transaction that queues, relabels or cancels a run (a sync connection)
+
+def queue_started(conn: psycopg.Connection, run_id: str, conversation_id: str, resume: bool) -> None:
+    """With the queued row: the run's `started` event (id 1), the conversation's older runs'
+    events gone, and the workers woken (a notification is sent when the transaction commits)."""
+    conn.execute("DELETE FROM run_events WHERE conversation_id = %s", (conversation_id,))
+    started = Event(1, "started", {"conversation": conversation_id, "run": run_id, "resume": resume})
+    conn.execute("INSERT INTO run_events (run_id, id, conversation_id, event, data) VALUES (%s, %s, %s, %s, %s)",
+                 event_row(run_id, conversation_id, started))
+    conn.execute("SELECT pg_notify(%s, %s), pg_notify(%s, %s)",
+                 (QUEUE_CHANNEL, run_id, EVENTS_CHANNEL, f"{run_id} 1"))
+
+
+def claim(conn: psycopg.Connection, owner_id: str, now: str) -> dict | None:
+    """The oldest queued run, now `running` and this owner's; None when none is left. Rows
+    another worker is claiming are skipped, not waited for."""
+    return conn.execute(
+        "UPDATE runs SET status = 'running', owner_id = %s, claimed_at = %s WHERE id = ("
+        " SELECT id FROM runs WHERE status = 'queued' ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED)"
+        " RETURNING *", (owner_id, now)).fetchone()
+
+
+def close_events(conn: psycopg.Connection, runs: Iterable[dict]) -> None:
+    """For runs that were just given their outcome by another process than their owner (a
+    relabel, a cancel of a queued run): the final event their followers wait for, after the
+    events their owner got in, unless it wrote one. `runs` are rows with `id`,
+    `conversation_id`, `status`, `error_code`, `error_message`."""
+    for run in runs:
+        data: dict[str, Any] = {"conversation": run["conversation_id"], "run": run["id"]}
+        if run["error_code"]:
+            name, data = "chat-error", {"code": run["error_code"], "message": run["error_message"], **data}
+        else:
+            name, data = "end", {**data, "status": run["status"]}
+        last = conn.execute(
+            "SELECT max(id) AS last, bool_or(event = ANY(%s)) AS ended FROM run_events WHERE run_id = %s",
+            (list(_TERMINAL), run["id"])).fetchone()
+        if last["last"] is None or last["ended"]:
+            continue  # not a worker's run (no events kept), or its final event is there
+        final = Event(last["last"] + 1, name, data)
+        conn.execute("INSERT INTO run_events (run_id, id, conversation_id, event, data) VALUES (%s, %s, %s, %s, %s)",
+                     event_row(run["id"], run["conversation_id"], final))
+        conn.execute("SELECT pg_notify(%s, %s)", (EVENTS_CHANNEL, f"{run['id']} {final.id}"))
+
+
+def cancel_queued(conn: psycopg.Connection, run_id: str, now: str) -> bool:
+    """A queued run, cancelled before any worker took it (its final event written); False if
+    it is not queued any more."""
+    row = conn.execute(
+        "UPDATE runs SET status = 'cancelled', error_code = %s, error_message = %s, cancel_requested_at = %s,"
+        " finished_at = %s WHERE id = %s AND status = 'queued' RETURNING *",
+        (errors.CANCELLED, errors.CANCELLED_MESSAGE, now, now, run_id)).fetchone()
+    if row is not None:
+        close_events(conn, [row])
+    return row is not None
+
+
+def request_cancel(conn: psycopg.Connection, run_id: str, now: str) -> bool:
+    """A claimed run asked to stop, whoever owns it: recorded first, then its worker told."""
+    asked = conn.execute(
+        "UPDATE runs SET cancel_requested_at = %s WHERE id = %s AND status = 'running'"
+        " AND cancel_requested_at IS NULL", (now, run_id)).rowcount
+    if asked:
+        conn.execute("SELECT pg_notify(%s, %s)", (CANCEL_CHANNEL, run_id))
+    return bool(asked)
+
+
+def event_span(conn: psycopg.Connection, run_id: str) -> tuple[int, int]:
+    """`(dropped, last_id)` of the run's kept events: ids `dropped + 1` to `last_id` are kept."""
+    row = conn.execute("SELECT min(id) AS first, max(id) AS last FROM run_events WHERE run_id = %s",
+                       (run_id,)).fetchone()
+    if row["last"] is None:
+        return 0, 0
+    return row["first"] - 1, row["last"]
+
+
+# a worker's side (async, on its saver's pool)
+
+async def append_events(conn: psycopg.AsyncConnection, owner_id: str, run_id: str, conversation_id: str,
+                        events: list[Event], keep: int | None) -> bool:
+    """Append a run's events and notify, in one transaction; False (nothing written) when the
+    run is not this owner's or has its final event already (another process relabelled it)."""
+    async with conn.transaction():
+        owner = await (await conn.execute("SELECT owner_id FROM runs WHERE id = %s FOR SHARE", (run_id,))).fetchone()
+        ended = await (await conn.execute(
+            "SELECT 1 FROM run_events WHERE run_id = %s AND event = ANY(%s) LIMIT 1",
+            (run_id, list(_TERMINAL)))).fetchone()
+        if owner is None or owner["owner_id"] != owner_id or ended is not None:
+            return False
+        async with conn.cursor() as cursor:
+            await cursor.executemany(
+                "INSERT INTO run_events (run_id, id, conversation_id, event, data) VALUES (%s, %s, %s, %s, %s)"
+                " ON CONFLICT DO NOTHING", [event_row(run_id, conversation_id, event) for event in events])
+        if keep is not None:
+            await conn.execute("DELETE FROM run_events WHERE run_id = %s AND id <= %s", (run_id, events[-1].id - keep))
+        await conn.execute("SELECT pg_notify(%s, %s)", (EVENTS_CHANNEL, f"{run_id} {events[-1].id}"))
+    return True
+
+
+class EventWriter:
+    """A worker's runs' events, written in the order they were published: one task takes what
+    has gathered and writes each run's share in a transaction of its own."""
+
+    def __init__(self, pool: Any, owner_id: str, keep: int | None, lock: asyncio.Lock) -> None:
+        self._pool, self._owner_id, self._keep = pool, owner_id, keep
+        self._lock = lock
+        """The saver's: held from the row lock to the commit, so that no synchronous write of
+        the app tables (which blocks this loop) can wait on that row lock meanwhile."""
+        self._queue: asyncio.Queue[tuple[str, str, Event]] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+
+    def add(self, run_id: str, conversation_id: str, event: Event) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._write())
+        self._queue.put_nowait((run_id, conversation_id, event))
+
+    async def flushed(self) -> None:
+        """Once every event added so far is written (or refused)."""
+        await self._queue.join()
+
+    async def aclose(self) -> None:
+        await self.flushed()
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _write(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                by_run: dict[tuple[str, str], list[Event]] = {}
+                for run_id, conversation_id, event in batch:
+                    by_run.setdefault((run_id, conversation_id), []).append(event)
+                for (run_id, conversation_id), events in by_run.items():
+                    await self._append(run_id, conversation_id, events)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    async def _append(self, run_id: str, conversation_id: str, events: list[Event]) -> None:
+        for attempt in range(3):
+            try:
+                async with self._pool.connection() as conn, self._lock:
+                    if not await append_events(conn, self._owner_id, run_id, conversation_id, events, self._keep):
+                        log.warning("run %s is no longer this worker's: %d event(s) not written", run_id, len(events))
+                    return
+            except psycopg.OperationalError:
+                log.exception("could not write %d event(s) of run %s (attempt %d)", len(events), run_id, attempt + 1)
+            except Exception:
+                log.exception("could not write %d event(s) of run %s", len(events), run_id)
+                return
+
+
+class EventFeed:
+    """One `LISTEN` connection per process: wakes whoever follows a run when its events grow."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._task: asyncio.Task | None = None
+        self._ready: asyncio.Event | None = None
+        self._pool: Any = None
+
+    async def start(self) -> None:
+        if self._task is None or self._task.done():
+            from psycopg.rows import dict_row
+            from psycopg_pool import AsyncConnectionPool
+
+            from .postgres import SESSION_OPTIONS
+
+            self._ready = asyncio.Event()
+            self._pool = AsyncConnectionPool(self.url, min_size=1, max_size=4, open=False, kwargs={
+                "autocommit": True, "row_factory": dict_row, "prepare_threshold": None, "options": SESSION_OPTIONS})
+            await self._pool.open(wait=True)
+            self._task = asyncio.get_running_loop().create_task(self._listen())
+        await self._ready.wait()
+
+    async def read(self, run_id: str, after: int) -> list[Event]:
+        """The run's kept events with an id above `after`, in order."""
+        async with self._pool.connection() as conn:
+            rows = await (await conn.execute(
+                "SELECT id, event, data FROM run_events WHERE run_id = %s AND id > %s ORDER BY id",
+                (run_id, after))).fetchall()
+        return [_decode(row) for row in rows]
+
+    async def last_id(self, run_id: str) -> int | None:
+        """The id of the run's latest kept event (None: none kept)."""
+        async with self._pool.connection() as conn:
+            row = await (await conn.execute("SELECT max(id) AS last FROM run_events WHERE run_id = %s",
+                                            (run_id,))).fetchone()
+        return row["last"]
+
+    def waiter(self, run_id: str) -> asyncio.Event:
+        """Set by the next notification for the run (take it before reading, then wait on it)."""
+        return self._waiters.setdefault(run_id, asyncio.Event())
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._pool is not None:
+            await self._pool.close()
+
+    async def _listen(self) -> None:
+        from .postgres import SESSION_OPTIONS
+
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                        self.url, autocommit=True, options=SESSION_OPTIONS) as conn:
+                    await conn.execute(f"LISTEN {EVENTS_CHANNEL}")
+                    self._ready.set()
+                    self._wake_all()  # anything appended while this was reconnecting
+                    async for notice in conn.notifies():
+                        waiter = self._waiters.pop(notice.payload.split(" ", 1)[0], None)
+                        if waiter is not None:
+                            waiter.set()
+            except psycopg.OperationalError:
+                log.warning("the events' LISTEN connection was lost; connecting again")
+                self._wake_all()
+                await asyncio.sleep(0.5)
+
+    def _wake_all(self) -> None:
+        waiters, self._waiters = self._waiters, {}
+        for waiter in waiters.values():
+            waiter.set()
+
+
+@dataclass
+class RemoteRun:
+    """A run a worker runs, followed from `run_events`: `ActiveRun`'s interface to the SSE route,
+    `wait()` and the service's callers, in any process on the database."""
+
+    id: str
+    conversation: str
+    resume: bool
+    feed: EventFeed
+    look: Callable[[RemoteRun], Awaitable[None]]
+    """Called when no event came for `look_seconds`: recovers the run if its worker is gone,
+    which writes the final event its followers wait for."""
+    look_seconds: float
+    dropped: int = 0
+    """Ids 1 to `dropped` are no longer kept (when this was made)."""
+    last_id: int = 0
+    """The latest id kept when this was made, then the latest one given."""
+    replayed: bool = False
+
+    async def events(self, after: int = 0) -> AsyncIterator[Event]:
+        """Every kept event with an id above `after`, then new ones as they are appended, up to
+        the final event; `REPLAY_GONE` when the next one is no longer kept."""
+        await self.feed.start()
+        last = after
+        while True:
+            woken = self.feed.waiter(self.id)  # before reading: a notice after the read wakes it
+            events = await self.feed.read(self.id, last)
+            if events and events[0].id != last + 1:
+                raise SophosError(errors.REPLAY_GONE, (
+                    f"Events {last + 1} to {events[0].id - 1} of run {self.id} are no longer kept (a run "
+                    f"keeps its latest events). Reload the conversation, then follow the run again without "
+                    "Last-Event-ID: it starts from the oldest event kept."))
+            for event in events:
+                last = self.last_id = max(self.last_id, event.id)
+                yield event
+                if event.is_terminal:
+                    return
+            if events:
+                continue
+            if last > 0 and ((kept := await self.feed.last_id(self.id)) is None or kept < last):
+                raise SophosError(errors.REPLAY_GONE, (
+                    f"The events of run {self.id} are no longer kept (the conversation has a newer run, "
+                    "or the database server restarted). Reload the conversation."))
+            try:
+                await asyncio.wait_for(woken.wait(), self.look_seconds)
+            except TimeoutError:
+                await self.look(self)
+
+    async def wait(self) -> Event:
+        """The final event (`end` or `chat-error`)."""
+        event = None
+        async for event in self.events(max(self.last_id - 1, self.dropped)):
+            pass
+        return event

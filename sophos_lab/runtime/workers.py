@@ -1,0 +1,140 @@
+"""A worker of the pool: claims queued runs and runs them (see `queue`).
+
+One worker is one process with its own `AgentService`: its own owner and lease, its own saver
+pool, its own MCP servers (they start with it and stop with it). It claims the oldest queued run
+whenever it has room (`concurrency` runs at once), wakes on `LISTEN sophos_queue` rather than
+polling, and looks at the queue and at gone owners' runs every third of a lease anyway (a
+notification sent while it was reconnecting is not lost for long).
+
+SIGTERM is the kit's honest shutdown: the worker stops claiming, each run stops at its next step
+boundary (or is cut after `SHUTDOWN_TIMEOUT`), is recorded and announced, the events are written,
+and the process exits 0. What is still queued stays queued, for the other workers.
+
+`worker_pool` starts N of these and watches them: a worker that dies is relabelled at once (its
+pid is dead on this host), and started again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import psycopg
+
+from .queue import CANCEL_CHANNEL, QUEUE_CHANNEL, EventWriter
+from .service import AgentService
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+READY = "worker ready"
+"""The line a worker prints (with its owner id and pid) once it listens and may claim."""
+
+
+async def run_worker(settings: Settings, concurrency: int = 1, stop: asyncio.Event | None = None) -> int:
+    """Claim and run queued runs until `stop` is set or SIGTERM comes; then drain; 0."""
+    if not settings.database_url:
+        raise SystemExit("a worker needs DATABASE_URL: the queue is in PostgreSQL")
+    service = AgentService(replace(settings, runs="here"))
+    await service.open()
+    stop = stop or asyncio.Event()
+    wake = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def terminate() -> None:
+        service.request_drain()
+        stop.set()
+        wake.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, terminate)
+    writer = EventWriter(service._saver_conn, service.store.owner.id, settings.event_buffer, service._saver.lock)
+    listener = await psycopg.AsyncConnection.connect(settings.database_url, autocommit=True)
+    await listener.execute(f"LISTEN {QUEUE_CHANNEL}")
+    await listener.execute(f"LISTEN {CANCEL_CHANNEL}")
+
+    async def listen() -> None:
+        async for notice in listener.notifies():
+            if notice.channel == CANCEL_CHANNEL:
+                service.cancel_here(notice.payload)
+            else:
+                wake.set()
+
+    listening = asyncio.create_task(listen())
+    print(f"{READY} owner={service.store.owner.id} pid={os.getpid()}", flush=True)
+    try:
+        while not stop.is_set():
+            wake.clear()
+            while len(service.active) < concurrency and not stop.is_set():
+                row = await service._write(service.store.claim_run)
+                if row is None:
+                    break
+                run = await service.start_claimed(row, writer.add)
+                run.task.add_done_callback(lambda _: wake.set())
+            try:
+                await asyncio.wait_for(wake.wait(), settings.lease_seconds / 3)
+            except TimeoutError:
+                await service._write(service.store.recover)  # another host's worker past its lease
+        await service.drain()
+        await writer.aclose()
+    finally:
+        listening.cancel()
+        await listener.close()
+        await service.aclose()
+    return 0
+
+
+def worker_main(concurrency: int = 1) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return asyncio.run(run_worker(Settings.from_env(), concurrency))
+
+
+def worker_pool(workers: int, concurrency: int = 1) -> int:
+    """Start `workers` worker processes and keep them running: one that dies has its runs
+    relabelled at once (recovery, from here: its pid is dead) and is started again. SIGTERM is
+    passed on to each; the pool exits 0 once they have all drained."""
+    from .postgres import PostgresStore
+
+    settings = Settings.from_env()
+    if not settings.database_url:
+        raise SystemExit("a worker pool needs DATABASE_URL: the queue is in PostgreSQL")
+    command = [sys.executable, "-m", "sophos_lab.cli", "worker", "--concurrency", str(concurrency)]
+    stopping = False
+
+    def terminate(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    procs = [subprocess.Popen(command) for _ in range(workers)]
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
+    store = PostgresStore(settings.database_url, lease_seconds=settings.lease_seconds)
+    try:
+        while True:
+            pid, status = os.wait()
+            index = next((i for i, proc in enumerate(procs) if proc.pid == pid), None)
+            if index is None:
+                continue
+            procs[index].returncode = os.waitstatus_to_exitcode(status)
+            if stopping:
+                if all(proc.returncode is not None for proc in procs):
+                    return 0
+                continue
+            relabelled = store.recover()
+            print(f"worker pid {pid} exited ({procs[index].returncode}); {relabelled} run(s) relabelled; "
+                  "starting another", flush=True)
+            time.sleep(0.2)  # a worker that dies at start must not spin the pool
+            procs[index] = subprocess.Popen(command)
+    except ChildProcessError:
+        return 0
+    finally:
+        store.close()

@@ -1,0 +1,213 @@
+"""A pool of workers on PostgreSQL: servers that queue, workers that claim, any server streams any run.
+
+Real processes on a real PostgreSQL server: `sophos-lab serve` with `SOPHOS_LAB_RUNS=workers`
+(it runs no graph), `sophos-lab worker` (it claims), real SIGKILL, SIGSTOP and SIGTERM. The
+barriers are events a server sent, rows, and the scripted model's held stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from sophos_lab.lab import postgres_server
+from sophos_lab.lab.children import sse_events
+from sophos_lab.lab.harness import Lab
+from sophos_lab.runtime.errors import CANCELLED, CONFIG_ERROR, SESSION_IN_PROGRESS, SophosError
+from sophos_lab.runtime.postgres import PostgresStore
+
+SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
+ON_WORKERS = {"SOPHOS_LAB_RUNS": "workers"}
+
+
+@pytest.fixture
+def url(request, postgres, migrated_template):
+    url = postgres_server.new_database(postgres.url, request.node.name[:30], template=migrated_template)
+    yield url
+    postgres_server.drop_database(postgres.url, url)
+
+
+@pytest.fixture
+def lab(request, lab_home, url):
+    with Lab.setup(f"tests-workers-{request.node.name}"[:60], quiet=True, fork_servers=True, database_url=url) as lab:
+        yield lab
+
+
+def hold_a_run(lab, server) -> str:
+    """Start the summary through `server` and hold the model half-way through it (the fetch
+    step done and checkpointed): a live `running` run on a worker. Returns the conversation."""
+    lab.model.arm("summary")
+    server.chat(SUMMARISE.format(url=lab.page("wal.html")))
+    conversation = server.conversation()
+    lab.model.wait_paused()
+    return conversation
+
+
+def rows(lab, sql: str, *params) -> list[tuple]:
+    return list(lab.sql(sql, *params).itertuples(index=False, name=None))
+
+
+def runs(lab, conversation: str) -> list[tuple]:
+    return rows(lab, "SELECT status, error_code FROM runs WHERE conversation_id = ? ORDER BY seq", conversation)
+
+
+def follow(server, conversation: str, last_event_id: int | None = None) -> list[dict]:
+    """Every frame of the conversation's SSE stream from `server` (pings left out), to its end."""
+    headers = {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)}
+    with httpx.stream("GET", f"{server.url}/api/chat", params={"conversation": conversation}, headers=headers,
+                      timeout=httpx.Timeout(60, read=60)) as response:
+        return [event for event in sse_events(response.iter_lines()) if event["event"] != "ping"]
+
+
+def run_events(events: list[dict]) -> list[tuple]:
+    return [(e["id"], e["event"], json.dumps(e["data"], sort_keys=True)) for e in events]
+
+
+async def test_a_run_accepted_with_no_worker_stays_queued_visible_and_cancellable(lab):
+    agent = lab.service(**ON_WORKERS)
+    try:
+        run = await agent.chat("Hello!")
+        assert (run.id, run.last_id) == (run.id, 1)  # `started`, committed with the row
+        assert runs(lab, run.conversation) == [("queued", None)]
+        assert rows(lab, "SELECT input IS NOT NULL, owner_id FROM runs") == [(True, None)]
+        assert [c.status for c in agent.list_conversations()] == ["queued"]
+
+        # A second process's recovery leaves it alone: nobody owns it, nothing died.
+        other = PostgresStore(lab.database_url)
+        assert other.recover() == 0
+        other.close()
+        with pytest.raises(SophosError) as busy:
+            await agent.chat("Hello again!", run.conversation)
+        assert busy.value.code == SESSION_IN_PROGRESS
+
+        final = await agent.cancel(run.conversation)
+        assert (final.event, final.data["code"], final.id) == ("chat-error", CANCELLED, 2)
+        assert runs(lab, run.conversation) == [("cancelled", CANCELLED)]
+        assert lab.model_calls() == 0
+    finally:
+        await agent.aclose()
+
+
+def test_workers_mode_needs_postgresql_and_says_so(lab):
+    with pytest.raises(SophosError) as refused:
+        lab.service(SOPHOS_LAB_RUNS="workers", DATABASE_URL="")
+    assert refused.value.code == CONFIG_ERROR and "DATABASE_URL" in refused.value.message
+    with pytest.raises(SophosError) as unknown:
+        lab.service(SOPHOS_LAB_RUNS="elsewhere")
+    assert unknown.value.code == CONFIG_ERROR and "elsewhere" in unknown.value.message
+
+
+def test_a_worker_runs_what_a_server_queued_and_another_server_replays_it_exactly(lab):
+    a, b = lab.server(**ON_WORKERS), lab.server(**ON_WORKERS)
+    worker = lab.pool_worker()
+    a.chat(SUMMARISE.format(url=lab.page("wal.html")))
+    conversation = a.conversation()
+    final = a.wait_final()
+    assert final["event"] == "end" and final["data"]["status"] == "completed", final
+    seen_by_a = [e for e in a.events() if e.get("id") is not None]
+
+    # Server B never ran anything: it reads the same events, from any id on.
+    middle = seen_by_a[len(seen_by_a) // 2]["id"]
+    assert run_events(follow(b, conversation, middle)) == run_events([e for e in seen_by_a if e["id"] > middle])
+    assert rows(lab, "SELECT owner_id FROM runs") == [(worker.owner,)]
+    assert runs(lab, conversation) == [("completed", None)]
+    assert lab.state(conversation)["roles"] == ["user", "assistant", "tool", "assistant"]
+
+
+def test_a_server_killed_mid_answer_leaves_the_run_to_its_worker_and_another_gives_the_missed_events(lab):
+    a, b = lab.server(**ON_WORKERS), lab.server(**ON_WORKERS)
+    lab.pool_worker()
+    conversation = hold_a_run(lab, a)
+    a.wait_for("token")
+    a.kill()
+    seen = [e for e in a.events() if e.get("id") is not None]
+    lab.model.release()
+
+    rest = follow(b, conversation, seen[-1]["id"])
+    ids = [e["id"] for e in seen + rest]
+    assert ids == list(range(1, len(ids) + 1)), ids  # nothing missed, nothing twice
+    assert rest[-1]["event"] == "end" and rest[-1]["data"]["status"] == "completed"
+    assert runs(lab, conversation) == [("completed", None)]
+
+
+def test_a_worker_killed_mid_run_is_relabelled_and_resumed_on_another_without_repeating_a_step(lab):
+    server = lab.server(**ON_WORKERS, SOPHOS_LAB_LEASE_SECONDS="3")
+    first = lab.pool_worker()
+    conversation = hold_a_run(lab, server)  # the fetch is done and checkpointed; the summary is half-way
+    assert first.kill() == -9
+    final = server.wait_final()  # the server's next look finds the worker's pid gone
+    assert final["event"] == "end" and final["data"]["status"] == "interrupted", final
+    lab.model.release()
+
+    second = lab.pool_worker()
+    server.resume(conversation)
+    assert server.wait_final()["data"]["status"] == "completed"
+    assert runs(lab, conversation) == [("interrupted", None), ("completed", None)]
+    assert rows(lab, "SELECT owner_id FROM runs ORDER BY seq") == [(first.owner,), (second.owner,)]
+    assert lab.fetches("wal.html") == 1  # the completed fetch step was not run again
+    assert lab.state(conversation)["roles"] == ["user", "assistant", "tool", "assistant"]
+
+
+def test_a_cancel_through_any_server_stops_the_run_on_its_worker(lab):
+    a, b = lab.server(**ON_WORKERS), lab.server(**ON_WORKERS)
+    lab.pool_worker()
+    conversation = hold_a_run(lab, a)
+    answer = b.request("POST", f"/api/conversations/{conversation}/cancel")
+    lab.model.release()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["data"]["code"] == CANCELLED
+    assert a.wait_final()["data"]["code"] == CANCELLED
+    assert runs(lab, conversation) == [("cancelled", CANCELLED)]
+    assert lab.state(conversation)["last_checkpoint"]["next"] == ["agent"]  # the fetch step stays saved
+
+
+def test_sigterm_drains_a_worker_records_its_run_and_exits_0(lab):
+    server = lab.server(**ON_WORKERS)
+    worker = lab.pool_worker(SHUTDOWN_TIMEOUT="1")
+    conversation = hold_a_run(lab, server)
+    assert worker.shutdown() == 0
+    lab.model.release()
+    final = server.wait_final()
+    assert final["event"] == "chat-error" and final["data"]["code"] == "SHUTDOWN", final
+    assert runs(lab, conversation) == [("interrupted", "SHUTDOWN")]
+
+    # Queued work waits for the next worker.
+    server.chat("Hello!")
+    queued = server.conversation()
+    assert runs(lab, queued) == [("queued", None)]
+    lab.pool_worker()
+    assert server.wait_final()["data"]["status"] == "completed"
+
+
+def test_a_hundred_submissions_across_two_servers_and_two_workers_complete_exactly_once(lab):
+    servers = [lab.server(**ON_WORKERS), lab.server(**ON_WORKERS)]
+    workers = lab.worker_pool(2, concurrency=4)
+    calls_before = lab.model_calls()
+
+    async def submit(client: httpx.AsyncClient, n: int) -> tuple[str, dict]:
+        base = servers[n % 2].url
+        accepted = (await client.post(f"{base}/api/chat", json={"message": f"Hello! ({n})"})).json()
+        follower = servers[(n + 1) % 2].url  # followed through the other server
+        async with client.stream("GET", f"{follower}/api/chat", params={"conversation": accepted["conversation"]}) as r:
+            frames = [e async for e in _aevents(r) if e["event"] != "ping"]
+        return accepted["conversation"], frames[-1]
+
+    async def all_of_them():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as client:
+            return await asyncio.gather(*(submit(client, n) for n in range(100)))
+
+    finals = asyncio.run(all_of_them())
+    assert all(final["event"] == "end" and final["data"]["status"] == "completed" for _, final in finals)
+    assert rows(lab, "SELECT count(*) AS runs, count(DISTINCT conversation_id) AS conversations FROM runs WHERE status = 'completed'") == [(100, 100)]
+    owners = dict(rows(lab, "SELECT owner_id, count(*) AS runs FROM runs GROUP BY owner_id"))
+    assert set(owners) == {w.owner for w in workers} and sum(owners.values()) == 100, owners
+    assert lab.model_calls() - calls_before == 100  # each run's one model call, once
+
+
+async def _aevents(response):
+    lines = [line async for line in response.aiter_lines()]
+    for event in sse_events(iter(lines)):
+        yield event
