@@ -23,7 +23,7 @@ NBVAL_OPTIONS := --nbval-lax --nbval-kernel-name=python3 --nbval-cell-timeout=12
 # checked cells put back (tests/notebooks/golden/, see tests/notebooks/golden.py).
 NBVAL_COPIES := .lab/nbval
 
-.PHONY: setup lab test test-fast test-unit test-notebooks record-golden bench benchmark reset clean
+.PHONY: setup lab test test-fast test-unit test-matrix test-notebooks record-golden bench benchmark reset clean
 
 # The three installs are independent: side by side (-j3), set-up takes about as long as the
 # largest, the kit's venv. uv installs the venvs (11 s here where pip took 48 s, the same
@@ -60,13 +60,17 @@ lab: setup
 	$(BIN)/sophos-lab lab --port $(PORT)
 
 # Kernels started by the tests keep their IPython profile and connection files in .lab/.
-test test-fast test-unit test-notebooks record-golden: export IPYTHONDIR := $(CURDIR)/.lab/ipython
-test test-fast test-unit test-notebooks record-golden: export JUPYTER_RUNTIME_DIR := $(CURDIR)/.lab/jupyter-runtime
+test test-fast test-unit test-matrix test-notebooks record-golden: export IPYTHONDIR := $(CURDIR)/.lab/ipython
+test test-fast test-unit test-matrix test-notebooks record-golden: export JUPYTER_RUNTIME_DIR := $(CURDIR)/.lab/jupyter-runtime
 
 # One pytest session for the tests and nbval's lessons, so that the workers share out both.
 test: setup
 	$(BIN)/python tests/notebooks/golden.py inject $(NBVAL_COPIES)
-	$(BIN)/pytest -q $(PARALLEL) --durations=25 $(NBVAL_OPTIONS) tests $(NBVAL_COPIES)
+	$(BIN)/pytest -q $(PARALLEL) --durations=25 -m "not full_matrix" $(NBVAL_OPTIONS) tests $(NBVAL_COPIES)
+
+# Every crash matrix, each signal and scenario (`make test` runs SIGKILL's and leaves the rest out).
+test-matrix: setup
+	$(BIN)/pytest -p no:nbval -q $(PARALLEL) -m crash_matrix tests
 
 test-fast: setup
 	$(BIN)/pytest -p no:nbval -q $(PARALLEL) -m "not slow" tests

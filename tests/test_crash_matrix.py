@@ -28,7 +28,8 @@ A fresh runtime (an `AgentService` in this process, as in test_crash.py) then op
 
 Speed: one lab per lane (its own model and web servers, so fetches are counted per lane as
 differences), lanes run concurrently, and each lane starts its next point's worker while the
-current point is killed, recovered and resumed. Run alone with `pytest -m crash_matrix -s`.
+current point is killed, recovered and resumed. Run alone, every variant, with `make test-matrix`
+(`pytest -m crash_matrix -s`); `make test` leaves out those marked `full_matrix`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ from sophos_lab.lab import postgres_server
 from sophos_lab.lab.harness import Lab
 
 pytestmark = pytest.mark.crash_matrix
+FULL = pytest.mark.full_matrix
+"""The rest of the matrices: SIGTERM's drain at every point, and the follow-up's commit points.
+`make test` runs one signal of each (SIGKILL, the harder one) and leaves these to `make test-matrix`."""
 
 PAGES = ("index.html", "wal.html")
 MESSAGE = "Fetch {first} then {second}, and say when both are in."
@@ -470,7 +474,7 @@ def matrix(request, lab_home):
 
 # SIGTERM tests the runtime's drain, the same on both backends; what PostgreSQL must show too
 # is recovery from a kill at every point.
-@pytest.mark.parametrize(("matrix", "mode"), [("sqlite", "SIGKILL"), ("sqlite", "SIGTERM"), ("postgres", "SIGKILL")],
+@pytest.mark.parametrize(("matrix", "mode"), [("sqlite", "SIGKILL"), pytest.param("sqlite", "SIGTERM", marks=FULL), ("postgres", "SIGKILL")],
                          indirect=["matrix"])
 def test_a_kill_after_any_event_recovers_to_the_same_transcript(matrix, mode):
     lanes, reference = matrix
@@ -740,8 +744,8 @@ def write_labs(lab_home):
             lab.close()
 
 
-@pytest.mark.parametrize("mode", ["SIGKILL", "SIGTERM"])
-@pytest.mark.parametrize("which", ["fetch-and-summarise", "follow-up", "gated payment"])
+@pytest.mark.parametrize("mode", ["SIGKILL", pytest.param("SIGTERM", marks=FULL)])
+@pytest.mark.parametrize("which", ["fetch-and-summarise", pytest.param("follow-up", marks=FULL), "gated payment"])
 def test_a_kill_right_after_any_commit_leaves_nothing_stuck_lost_or_run_twice(write_labs, which, mode):
     labs = write_labs["ledger" if which == "gated payment" else "plain"]
     points = asyncio.run(asyncio.wait_for(write_matrix(labs, which, mode), MATRIX_TIMEOUT))
@@ -836,7 +840,7 @@ async def run_fold_point(lab: Lab, mode: str, n: int | None, files: dict[str, st
     return point, writes
 
 
-@pytest.mark.parametrize("mode", ["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("mode", ["SIGKILL", pytest.param("SIGTERM", marks=FULL)])
 def test_a_kill_at_any_commit_of_a_message_sent_instead_of_a_resume_keeps_the_stopped_step(write_labs, mode):
     labs = write_labs["plain"]
 
