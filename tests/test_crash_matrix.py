@@ -55,8 +55,10 @@ from sophos_lab.lab.harness import Lab
 
 pytestmark = pytest.mark.crash_matrix
 FULL = pytest.mark.full_matrix
-"""The rest of the matrices: SIGTERM's drain at every point, and the follow-up's commit points.
-`make test` runs one signal of each (SIGKILL, the harder one) and leaves these to `make test-matrix`."""
+"""The rest of the matrices: SIGTERM's drain at every point, and the commit points of the follow-up
+and of a message sent instead of a resume. `make test` runs SIGKILL's lanes of the fetch (after
+every event, on both backends; after every commit) and of the gated payment, and leaves these to
+`make test-matrix`."""
 
 PAGES = ("index.html", "wal.html")
 MESSAGE = "Fetch {first} then {second}, and say when both are in."
@@ -840,7 +842,8 @@ async def run_fold_point(lab: Lab, mode: str, n: int | None, files: dict[str, st
     return point, writes
 
 
-@pytest.mark.parametrize("mode", ["SIGKILL", pytest.param("SIGTERM", marks=FULL)])
+@FULL
+@pytest.mark.parametrize("mode", ["SIGKILL", "SIGTERM"])
 def test_a_kill_at_any_commit_of_a_message_sent_instead_of_a_resume_keeps_the_stopped_step(write_labs, mode):
     labs = write_labs["plain"]
 

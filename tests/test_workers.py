@@ -112,6 +112,10 @@ def test_a_worker_runs_what_a_server_queued_and_another_server_replays_it_exactl
     # Server B never ran anything: it reads the same events, from any id on.
     middle = seen_by_a[len(seen_by_a) // 2]["id"]
     assert run_events(follow(b, conversation, middle)) == run_events([e for e in seen_by_a if e["id"] > middle])
+    # A client that has every event, the final one too, gets one end without an id, as from a
+    # process whose run has ended: nothing to wait for.
+    again = follow(b, conversation, seen_by_a[-1]["id"])
+    assert [(e["id"], e["event"], e["data"]["status"]) for e in again] == [(None, "end", "completed")], again
     assert rows(lab, "SELECT owner_id FROM runs") == [(worker.owner,)]
     assert runs(lab, conversation) == [("completed", None)]
     assert lab.state(conversation)["roles"] == ["user", "assistant", "tool", "assistant"]

@@ -49,6 +49,8 @@ CANCEL_CHANNEL = "sophos_cancel"
 """Notified with a run id when a cancel of a claimed run was recorded: its worker stops it."""
 
 _TERMINAL = tuple(TERMINAL_EVENTS)
+WRITE_ATTEMPTS = 35
+"""A worker's tries at writing a batch of events (about a minute, the waits doubling up to 2 s)."""
 
 
 def event_row(run_id: str, conversation_id: str, event: Event) -> tuple[Any, ...]:
@@ -93,6 +95,10 @@ def close_events(conn: psycopg.Connection, runs: Iterable[dict]) -> None:
             name, data = "chat-error", {"code": run["error_code"], "message": run["error_message"], **data}
         else:
             name, data = "end", {**data, "status": run["status"]}
+            gate = conn.execute("SELECT id, calls, decisions FROM gates WHERE run_id = %s ORDER BY seq DESC LIMIT 1",
+                                (run["id"],)).fetchone() if run["status"] == "waiting" else None
+            if gate is not None and gate["decisions"] is None:
+                data["approval"] = {"gate": gate["id"], "calls": json.loads(gate["calls"])}
         last = conn.execute(
             "SELECT max(id) AS last, bool_or(event = ANY(%s)) AS ended FROM run_events WHERE run_id = %s",
             (list(_TERMINAL), run["id"])).fetchone()
@@ -200,17 +206,24 @@ class EventWriter:
                     self._queue.task_done()
 
     async def _append(self, run_id: str, conversation_id: str, events: list[Event]) -> None:
-        for attempt in range(3):
+        """Write them, trying again while the database cannot be reached: a gap would cut every
+        follower off (`REPLAY_GONE`), and a final event lost would leave them waiting. Given up
+        after a minute (the run's own writes will have failed by then, and its record with them)."""
+        wait = 0.1
+        for attempt in range(1, WRITE_ATTEMPTS + 1):
             try:
                 async with self._pool.connection() as conn, self._lock:
                     if not await append_events(conn, self._owner_id, run_id, conversation_id, events, self._keep):
                         log.warning("run %s is no longer this worker's: %d event(s) not written", run_id, len(events))
                     return
             except psycopg.OperationalError:
-                log.exception("could not write %d event(s) of run %s (attempt %d)", len(events), run_id, attempt + 1)
+                log.warning("could not write %d event(s) of run %s (attempt %d of %d)", len(events), run_id,
+                            attempt, WRITE_ATTEMPTS, exc_info=True)
             except Exception:
                 log.exception("could not write %d event(s) of run %s", len(events), run_id)
                 return
+            await asyncio.sleep(wait)  # a backoff, not a barrier
+            wait = min(wait * 2, 2.0)
 
 
 class EventFeed:
@@ -222,8 +235,13 @@ class EventFeed:
         self._task: asyncio.Task | None = None
         self._ready: asyncio.Event | None = None
         self._pool: Any = None
+        self._starting = asyncio.Lock()
 
     async def start(self) -> None:
+        async with self._starting:  # two first followers at once must not open two pools
+            await self._start()
+
+    async def _start(self) -> None:
         if self._task is None or self._task.done():
             from psycopg.rows import dict_row
             from psycopg_pool import AsyncConnectionPool
@@ -245,12 +263,13 @@ class EventFeed:
                 (run_id, after))).fetchall()
         return [_decode(row) for row in rows]
 
-    async def last_id(self, run_id: str) -> int | None:
-        """The id of the run's latest kept event (None: none kept)."""
+    async def kept(self, run_id: str) -> tuple[int | None, bool]:
+        """The id of the run's latest kept event (None: none kept), and whether its final event is kept."""
         async with self._pool.connection() as conn:
-            row = await (await conn.execute("SELECT max(id) AS last FROM run_events WHERE run_id = %s",
-                                            (run_id,))).fetchone()
-        return row["last"]
+            row = await (await conn.execute(
+                "SELECT max(id) AS last, coalesce(bool_or(event = ANY(%s)), false) AS ended"
+                " FROM run_events WHERE run_id = %s", (list(_TERMINAL), run_id))).fetchone()
+        return row["last"], row["ended"]
 
     def waiter(self, run_id: str) -> asyncio.Event:
         """Set by the next notification for the run (take it before reading, then wait on it)."""
@@ -326,14 +345,21 @@ class RemoteRun:
                     return
             if events:
                 continue
-            if last > 0 and ((kept := await self.feed.last_id(self.id)) is None or kept < last):
-                raise SophosError(errors.REPLAY_GONE, (
-                    f"The events of run {self.id} are no longer kept (the conversation has a newer run, "
-                    "or the database server restarted). Reload the conversation."))
+            if last > 0:
+                kept, ended = await self.feed.kept(self.id)
+                if kept is None or kept < last:
+                    raise SophosError(errors.REPLAY_GONE, (
+                        f"The events of run {self.id} are no longer kept (the conversation has a newer run, "
+                        "or the database server restarted). Reload the conversation."))
+                if ended:
+                    return  # the follower has the final event already: nothing more will come
             try:
                 await asyncio.wait_for(woken.wait(), self.look_seconds)
             except TimeoutError:
-                await self.look(self)
+                try:
+                    await self.look(self)
+                except Exception:  # a look that failed (a lock timeout, a lost connection) is tried again
+                    log.warning("could not look at run %s", self.id, exc_info=True)
 
     async def wait(self) -> Event:
         """The final event (`end` or `chat-error`)."""

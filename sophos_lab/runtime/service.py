@@ -20,6 +20,7 @@ run writes nothing more (the saver's fence and the outcome's `owner_id` check).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -913,8 +914,8 @@ class AgentService:
         if latest is None:
             return None
         dropped, last = self.store.event_span(latest.id)
-        if not last or (latest.status not in ("queued", "running") and not after):
-            return None
+        if not last or (latest.status not in ("queued", "running") and not 0 < after < last):
+            return None  # no events kept, or a finished run the client has every event of
         return self._remote(latest.id, conversation_id, latest.input is None)
 
     async def start_claimed(self, row: Run, sink: Callable[[str, str, Event], None]) -> ActiveRun:
@@ -928,7 +929,15 @@ class AgentService:
                         keep=self.settings.event_buffer, dropped=last, sink=sink)
         self.active[row.conversation_id] = run
         self._keep_lease()
-        state = await graph.aget_state(thread_config(row.conversation_id))
+        try:
+            state = await graph.aget_state(thread_config(row.conversation_id))
+        except BaseException:
+            # Not started: relabelled now, as a crash's run would be (if even that fails, when
+            # this worker exits or its lease runs out), so the conversation is not left stuck.
+            self.active.pop(row.conversation_id, None)
+            with contextlib.suppress(Exception):
+                await self._write(self.store.relabel, [row.id])
+            raise
         pending = self._pending_input(row.conversation_id, state.metadata)
         graph_input = None
         if pending:

@@ -41,6 +41,8 @@ async def run_worker(settings: Settings, concurrency: int = 1, stop: asyncio.Eve
     """Claim and run queued runs until `stop` is set or SIGTERM comes; then drain; 0."""
     if not settings.database_url:
         raise SystemExit("a worker needs DATABASE_URL: the queue is in PostgreSQL")
+    if settings.single_owner:
+        raise SystemExit("a worker needs the kit's ownership: unset SOPHOS_LAB_SINGLE_OWNER")
     service = AgentService(replace(settings, runs="here"))
     await service.open()
     stop = stop or asyncio.Event()
@@ -55,39 +57,65 @@ async def run_worker(settings: Settings, concurrency: int = 1, stop: asyncio.Eve
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, terminate)
     writer = EventWriter(service._saver_conn, service.store.owner.id, settings.event_buffer, service._saver.lock)
-    listener = await psycopg.AsyncConnection.connect(settings.database_url, autocommit=True)
-    await listener.execute(f"LISTEN {QUEUE_CHANNEL}")
-    await listener.execute(f"LISTEN {CANCEL_CHANNEL}")
-
-    async def listen() -> None:
-        async for notice in listener.notifies():
-            if notice.channel == CANCEL_CHANNEL:
-                service.cancel_here(notice.payload)
-            else:
-                wake.set()
-
-    listening = asyncio.create_task(listen())
+    listening = asyncio.create_task(_listen(settings.database_url, service, wake))
     print(f"{READY} owner={service.store.owner.id} pid={os.getpid()}", flush=True)
     try:
         while not stop.is_set():
             wake.clear()
-            while len(service.active) < concurrency and not stop.is_set():
-                row = await service._write(service.store.claim_run)
-                if row is None:
-                    break
-                run = await service.start_claimed(row, writer.add)
-                run.task.add_done_callback(lambda _: wake.set())
+            try:
+                await _claim(service, writer, concurrency, stop, wake)
+            except Exception:
+                log.exception("could not claim a run; trying again at the next look")
             try:
                 await asyncio.wait_for(wake.wait(), settings.lease_seconds / 3)
             except TimeoutError:
-                await service._write(service.store.recover)  # another host's worker past its lease
+                await _look(service)
+    finally:
         await service.drain()
         await writer.aclose()
-    finally:
         listening.cancel()
-        await listener.close()
         await service.aclose()
     return 0
+
+
+async def _claim(service: AgentService, writer: EventWriter, concurrency: int, stop: asyncio.Event,
+                 wake: asyncio.Event) -> None:
+    while len(service.active) < concurrency and not stop.is_set():
+        row = await service._write(service.store.claim_run)
+        if row is None:
+            return
+        run = await service.start_claimed(row, writer.add)
+        run.task.add_done_callback(lambda _: wake.set())
+
+
+async def _look(service: AgentService) -> None:
+    """Every third of a lease: relabel gone owners' runs (another host's worker past its lease),
+    and stop a run whose cancel this worker was not told of (its LISTEN was reconnecting)."""
+    try:
+        await service._write(service.store.recover)
+        for run in list(service.active.values()):
+            if not run.cancel_requested and service.store.cancel_requested(run.id):
+                service.cancel_here(run.id)
+    except Exception:
+        log.warning("the worker's look at the queue failed; trying again", exc_info=True)
+
+
+async def _listen(url: str, service: AgentService, wake: asyncio.Event) -> None:
+    """`LISTEN` for queued runs and cancels, connecting again whenever the connection is lost."""
+    while True:
+        try:
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as listener:
+                await listener.execute(f"LISTEN {QUEUE_CHANNEL}")
+                await listener.execute(f"LISTEN {CANCEL_CHANNEL}")
+                wake.set()  # a run queued while this was not listening
+                async for notice in listener.notifies():
+                    if notice.channel == CANCEL_CHANNEL:
+                        service.cancel_here(notice.payload)
+                    else:
+                        wake.set()
+        except psycopg.OperationalError:
+            log.warning("the worker's LISTEN connection was lost; connecting again", exc_info=True)
+            await asyncio.sleep(0.5)  # a backoff, not a barrier
 
 
 def worker_main(concurrency: int = 1) -> int:
@@ -129,11 +157,15 @@ def worker_pool(workers: int, concurrency: int = 1) -> int:
                 if all(proc.returncode is not None for proc in procs):
                     return 0
                 continue
-            relabelled = store.recover()
+            try:
+                relabelled = store.recover()
+            except Exception as error:  # the others' next look relabels them instead
+                relabelled = f"none ({error})"
             print(f"worker pid {pid} exited ({procs[index].returncode}); {relabelled} run(s) relabelled; "
                   "starting another", flush=True)
-            time.sleep(0.2)  # a worker that dies at start must not spin the pool
-            procs[index] = subprocess.Popen(command)
+            time.sleep(0.2)  # a backoff: a worker that dies at start must not spin the pool
+            if not stopping:
+                procs[index] = subprocess.Popen(command)
     except ChildProcessError:
         return 0
     finally:

@@ -213,7 +213,7 @@ async function openConversation(id, { attach = false } = {}) {
   const detail = await api(`api/conversations/${id}`);
   if (conversation !== id) return; // another one was opened meanwhile
   showConversation(detail);
-  if (attach && detail.conversation.status === "running") follow(id);
+  if (attach && ["running", "queued"].includes(detail.conversation.status)) follow(id);
 }
 
 function reportError(error) {
