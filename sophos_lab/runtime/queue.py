@@ -146,13 +146,18 @@ def event_span(conn: psycopg.Connection, run_id: str) -> tuple[int, int]:
 async def append_events(conn: psycopg.AsyncConnection, owner_id: str, run_id: str, conversation_id: str,
                         events: list[Event], keep: int | None) -> bool:
     """Append a run's events and notify, in one transaction; False (nothing written) when the
-    run is not this owner's or has its final event already (another process relabelled it)."""
+    run is not this owner's, has its final event already (another process relabelled it), or is
+    not its conversation's latest run any more."""
     async with conn.transaction():
-        owner = await (await conn.execute("SELECT owner_id FROM runs WHERE id = %s FOR SHARE", (run_id,))).fetchone()
+        row = await (await conn.execute(
+            "SELECT owner_id, seq = (SELECT max(seq) FROM runs later WHERE later.conversation_id = runs.conversation_id)"
+            " AS latest FROM runs WHERE id = %s FOR SHARE", (run_id,))).fetchone()
         ended = await (await conn.execute(
             "SELECT 1 FROM run_events WHERE run_id = %s AND event = ANY(%s) LIMIT 1",
             (run_id, list(_TERMINAL)))).fetchone()
-        if owner is None or owner["owner_id"] != owner_id or ended is not None:
+        # Not this owner's, ended by another process (a relabel wrote its final event), or
+        # superseded by a newer run (which let this one's events go): nobody follows it here.
+        if row is None or row["owner_id"] != owner_id or ended is not None or not row["latest"]:
             return False
         async with conn.cursor() as cursor:
             await cursor.executemany(
