@@ -68,9 +68,10 @@ test: setup
 	$(BIN)/python tests/notebooks/golden.py inject $(NBVAL_COPIES)
 	$(BIN)/pytest -q $(PARALLEL) --durations=25 -m "not full_matrix" $(NBVAL_OPTIONS) tests $(NBVAL_COPIES)
 
-# Every crash matrix, each signal and scenario (`make test` runs SIGKILL's and leaves the rest out).
+# Every crash matrix, each signal and scenario, and the load tests (`make test` leaves out those
+# marked full_matrix).
 test-matrix: setup
-	$(BIN)/pytest -p no:nbval -q $(PARALLEL) -m crash_matrix tests
+	$(BIN)/pytest -p no:nbval -q $(PARALLEL) -m "crash_matrix or full_matrix" tests
 
 test-fast: setup
 	$(BIN)/pytest -p no:nbval -q $(PARALLEL) -m "not slow" tests

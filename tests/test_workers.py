@@ -186,6 +186,7 @@ def test_sigterm_drains_a_worker_records_its_run_and_exits_0(lab):
     assert server.wait_final()["data"]["status"] == "completed"
 
 
+@pytest.mark.full_matrix  # a load test: `make test-matrix` runs it
 def test_a_hundred_submissions_across_two_servers_and_two_workers_complete_exactly_once(lab):
     servers = [lab.server(**ON_WORKERS), lab.server(**ON_WORKERS)]
     workers = lab.worker_pool(2, concurrency=4)
@@ -204,7 +205,9 @@ def test_a_hundred_submissions_across_two_servers_and_two_workers_complete_exact
             return await asyncio.gather(*(submit(client, n) for n in range(100)))
 
     finals = asyncio.run(all_of_them())
-    assert all(final["event"] == "end" and final["data"]["status"] == "completed" for _, final in finals)
+    unfinished = [(conversation, final) for conversation, final in finals
+                  if final["event"] != "end" or final["data"]["status"] != "completed"]
+    assert not unfinished, unfinished
     assert rows(lab, "SELECT count(*) AS runs, count(DISTINCT conversation_id) AS conversations FROM runs WHERE status = 'completed'") == [(100, 100)]
     owners = dict(rows(lab, "SELECT owner_id, count(*) AS runs FROM runs GROUP BY owner_id"))
     assert set(owners) == {w.owner for w in workers} and sum(owners.values()) == 100, owners
@@ -215,3 +218,25 @@ async def _aevents(response):
     lines = [line async for line in response.aiter_lines()]
     for event in sse_events(iter(lines)):
         yield event
+
+
+@pytest.mark.full_matrix  # under a loaded machine its resume has hung once (open: see the note)
+def test_a_worker_frozen_past_its_lease_is_taken_over_and_writes_nothing_once_a_resume_has_run(lab):
+    server = lab.server(**ON_WORKERS, SOPHOS_LAB_LEASE_SECONDS="1.5")
+    frozen = lab.pool_worker(SOPHOS_LAB_LEASE_SECONDS="1.5")
+    conversation = hold_a_run(lab, server)
+    frozen.freeze()
+    taken = server.wait_final()  # the server's look finds the lease run out, by the database's clock
+    assert (taken["event"], taken["data"]["status"]) == ("end", "interrupted"), taken
+    lab.pool_worker()
+    server.resume(conversation)
+    assert server.wait_final()["data"]["status"] == "completed"
+    before = rows(lab, "SELECT run_id, id, event FROM run_events ORDER BY run_id, id"), rows(
+        lab, "SELECT checkpoint_id FROM checkpoints ORDER BY 1")
+
+    lab.model.release()
+    frozen.thaw()
+    assert frozen.shutdown() == 0  # it has tried every write it had: a step, an outcome, events
+    assert (rows(lab, "SELECT run_id, id, event FROM run_events ORDER BY run_id, id"), rows(
+        lab, "SELECT checkpoint_id FROM checkpoints ORDER BY 1")) == before
+    assert runs(lab, conversation) == [("interrupted", None), ("completed", None)]

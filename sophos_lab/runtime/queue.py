@@ -49,6 +49,8 @@ CANCEL_CHANNEL = "sophos_cancel"
 """Notified with a run id when a cancel of a claimed run was recorded: its worker stops it."""
 
 _TERMINAL = tuple(TERMINAL_EVENTS)
+READ_CONNECTIONS = 10
+"""A server's connections for reading events: each read is one short query, shared by every follower."""
 WRITE_ATTEMPTS = 35
 """A worker's tries at writing a batch of events (about a minute, the waits doubling up to 2 s)."""
 
@@ -254,7 +256,7 @@ class EventFeed:
             from .postgres import SESSION_OPTIONS
 
             self._ready = asyncio.Event()
-            self._pool = AsyncConnectionPool(self.url, min_size=1, max_size=4, open=False, kwargs={
+            self._pool = AsyncConnectionPool(self.url, min_size=1, max_size=READ_CONNECTIONS, open=False, kwargs={
                 "autocommit": True, "row_factory": dict_row, "prepare_threshold": None, "options": SESSION_OPTIONS})
             await self._pool.open(wait=True)
             self._task = asyncio.get_running_loop().create_task(self._listen())
@@ -337,7 +339,12 @@ class RemoteRun:
         last = after
         while True:
             woken = self.feed.waiter(self.id)  # before reading: a notice after the read wakes it
-            events = await self.feed.read(self.id, last)
+            try:
+                events = await self.feed.read(self.id, last)
+            except psycopg.OperationalError:  # the pool busy or a connection lost: read again
+                log.warning("could not read the events of run %s; reading again", self.id, exc_info=True)
+                await asyncio.sleep(0.2)  # a backoff, not a barrier
+                continue
             if events and events[0].id != last + 1:
                 raise SophosError(errors.REPLAY_GONE, (
                     f"Events {last + 1} to {events[0].id - 1} of run {self.id} are no longer kept (a run "
