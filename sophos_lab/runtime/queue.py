@@ -161,10 +161,15 @@ async def append_events(conn: psycopg.AsyncConnection, owner_id: str, run_id: st
         # superseded by a newer run (which let this one's events go): nobody follows it here.
         if row is None or row["owner_id"] != owner_id or ended is not None or not row["latest"]:
             return False
-        async with conn.cursor() as cursor:
-            await cursor.executemany(
-                "INSERT INTO run_events (run_id, id, conversation_id, event, data) VALUES (%s, %s, %s, %s, %s)"
-                " ON CONFLICT DO NOTHING", [event_row(run_id, conversation_id, event) for event in events])
+        # One statement, not `executemany`: psycopg pipelines that, and a process frozen inside
+        # a pipeline leaves its transaction open without the server counting it idle, so
+        # `idle_in_transaction_session_timeout` never ends it and its row lock holds a takeover up.
+        rows = [event_row(run_id, conversation_id, event) for event in events]
+        await conn.execute(
+            "INSERT INTO run_events (run_id, id, conversation_id, event, data)"
+            " SELECT %s, id, %s, event, data FROM unnest(%s::int[], %s::text[], %s::text[]) AS t(id, event, data)"
+            " ON CONFLICT DO NOTHING",
+            (run_id, conversation_id, [row[1] for row in rows], [row[3] for row in rows], [row[4] for row in rows]))
         if keep is not None:
             await conn.execute("DELETE FROM run_events WHERE run_id = %s AND id <= %s", (run_id, events[-1].id - keep))
         await conn.execute("SELECT pg_notify(%s, %s)", (EVENTS_CHANNEL, f"{run_id} {events[-1].id}"))
@@ -363,8 +368,10 @@ class RemoteRun:
                     raise SophosError(errors.REPLAY_GONE, (
                         f"The events of run {self.id} are no longer kept (the conversation has a newer run, "
                         "or the database server restarted). Reload the conversation."))
-                if ended:
+                if ended and kept <= last:
                     return  # the follower has the final event already: nothing more will come
+                if kept > last:
+                    continue  # appended since the read: read them
             try:
                 await asyncio.wait_for(woken.wait(), self.look_seconds)
             except TimeoutError:
