@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-BENCHMARKS = ("steps", "growth", "listing", "startup", "sse", "retries", "postgres")
+BENCHMARKS = ("steps", "growth", "listing", "startup", "sse", "retries", "postgres", "workers")
 COLUMNS = ("benchmark", "measure", "kit", "bare LangGraph", "ratio", "unit")
 
 
