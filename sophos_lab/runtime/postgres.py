@@ -602,9 +602,10 @@ class PostgresStore:
             row = conn.execute(
                 "SELECT r.*, o.id AS owner_row, o.host, o.boot_id, o.pid, o.pid_started, o.lease_expires_monotonic,"
                 " EXTRACT(EPOCH FROM o.lease_expires_at - now())::float8 AS lease_left, o.id IS NOT NULL AS has_owner"
-                " FROM runs r LEFT JOIN owners o ON o.id = r.owner_id WHERE r.id = %s FOR UPDATE OF r",
-                (run_id,)).fetchone()
-            if row is None or row["status"] in ("queued", "running"):
+                " FROM runs r LEFT JOIN owners o ON o.id = r.owner_id"
+                " WHERE r.id = %s AND r.status NOT IN ('queued', 'running') FOR UPDATE OF r",
+                (run_id,)).fetchone()  # a live run's row is not locked: its worker's writes go on
+            if row is None:
                 return
             owner = _owner_row({**row, "id": row["owner_row"]})
             if owner is None or owner_gone(owner, self.owner):
