@@ -272,3 +272,30 @@ def test_a_worker_frozen_past_its_lease_is_taken_over_and_writes_nothing_once_a_
     assert (rows(lab, "SELECT run_id, id, event FROM run_events ORDER BY run_id, id"), rows(
         lab, "SELECT checkpoint_id FROM checkpoints ORDER BY 1")) == before
     assert runs(lab, conversation) == [("interrupted", None), ("completed", None)]
+
+
+def test_with_requeue_a_killed_worker_s_run_goes_back_in_the_queue_as_often_as_allowed(lab):
+    requeue = {"SOPHOS_LAB_REQUEUE": "1"}
+    server = lab.server(**ON_WORKERS, **requeue)
+    first = lab.pool_worker(**requeue)
+    conversation = hold_a_run(lab, server)
+    second = lab.pool_worker(**requeue)
+    lab.model.arm("summary")  # the summary held again, on the worker that takes the run next
+    assert first.kill() == -9
+    lab.model.release()  # the killed worker's stream
+    lab.model.wait_paused()  # the run went back in the queue, and the second worker is answering it
+    assert rows(lab, "SELECT status, requeues, owner_id FROM runs") == [("running", 1, second.owner)]
+
+    assert second.kill() == -9  # a second crash: the limit is one, so it stays interrupted
+    lab.model.release()
+    final = server.wait_final()
+    assert (final["event"], final["data"]["status"]) == ("end", "interrupted"), final
+    ids = [e["id"] for e in server.events() if e.get("id") is not None]
+    assert ids == list(range(1, len(ids) + 1)), ids  # one stream across both workers, none twice
+    assert rows(lab, "SELECT status, requeues FROM runs") == [("interrupted", 1)]
+
+    lab.pool_worker(**requeue)
+    server.resume(conversation)
+    assert server.wait_final()["data"]["status"] == "completed"
+    assert lab.fetches("wal.html") == 1  # the fetch step, checkpointed before the first kill, ran once
+    assert lab.state(conversation)["roles"] == ["user", "assistant", "tool", "assistant"]

@@ -331,8 +331,11 @@ class PostgresStore:
     """The application tables of one PostgreSQL database, as one owner: `store.Store`'s
     interface and rules, on the database's locks and clock."""
 
-    def __init__(self, url: str, lease_seconds: float = 15.0, single_owner: bool = False) -> None:
+    def __init__(self, url: str, lease_seconds: float = 15.0, single_owner: bool = False,
+                 requeue_limit: int = 0) -> None:
         self.url = url
+        self.requeue_limit = requeue_limit
+        """`SOPHOS_LAB_REQUEUE`: how often a worker's crashed run goes back in the queue (0: never)."""
         self.lease_seconds = lease_seconds
         self.single_owner = single_owner
         self.owner: Owner | None = None
@@ -435,9 +438,27 @@ class PostgresStore:
             if not self._stale_runs(self.conn, conversation_id):
                 return 0
             with self.transaction() as conn:
-                count = self._relabel_in(conn, self._stale_runs(conn, conversation_id))
+                stale = self._stale_runs(conn, conversation_id)
+                requeued = self._requeue_in(conn, stale)
+                count = self._relabel_in(conn, [run_id for run_id in stale if run_id not in requeued])
                 self._forget_gone_owners(conn)
-                return count
+                return count + len(requeued)
+
+    def _requeue_in(self, conn: psycopg.Connection, run_ids: list[str]) -> set[str]:
+        """Inside a transaction, with `SOPHOS_LAB_REQUEUE=N`: put a worker's run whose owner is
+        gone back in the queue instead of relabelling it, at most N times (`requeues`), unless a
+        cancel was asked for. Its followers see no end: its events go on when a worker claims it."""
+        if not self.requeue_limit or not run_ids:
+            return set()
+        from . import queue
+
+        rows = conn.execute(
+            "UPDATE runs SET status = 'queued', owner_id = NULL, claimed_at = NULL, requeues = requeues + 1"
+            " WHERE status = 'running' AND id = ANY(%s) AND claimed_at IS NOT NULL AND cancel_requested_at IS NULL"
+            " AND requeues < %s RETURNING id", (run_ids, self.requeue_limit)).fetchall()
+        for row in rows:
+            conn.execute("SELECT pg_notify(%s, %s)", (queue.QUEUE_CHANNEL, row["id"]))
+        return {row["id"] for row in rows}
 
     def _forget_gone_owners(self, conn: psycopg.Connection) -> None:
         """Delete the rows of gone owners that no longer hold a `running` run."""

@@ -291,7 +291,7 @@ def open_store(settings: Settings) -> Store:
         raise SophosError(errors.CONFIG_ERROR, (
             "DATABASE_URL must be a postgresql:// (or postgres://) URL; unset it to use the SQLite file "
             "at DATABASE_PATH."))
-    return PostgresStore(settings.database_url, lease_seconds=settings.lease_seconds,
+    return PostgresStore(settings.database_url, lease_seconds=settings.lease_seconds, requeue_limit=settings.requeue_limit,
                          single_owner=settings.single_owner)
 
 

@@ -60,6 +60,10 @@ class Settings:
     """`SOPHOS_LAB_RUNS`: `here` (this process runs the runs it accepts) or `workers`
     (PostgreSQL only: it queues them, and a pool of workers, `sophos-lab worker`, runs them;
     see `queue`). Anything else is refused when the database is opened."""
+    requeue_limit: int = 0
+    """`SOPHOS_LAB_REQUEUE` (a pool of workers): how many times a run whose worker died goes back in
+    the queue by itself, recorded in `runs.requeues`; 0 (the default): never, it is `interrupted`
+    and resuming it stays a decision."""
     model_attempts: int = DEFAULT_MODEL_ATTEMPTS
     """Attempts of one model step (the first included) when it fails with a transient error."""
     tool_attempts: int = DEFAULT_TOOL_ATTEMPTS
@@ -98,6 +102,7 @@ class Settings:
             single_owner=_flag(env.get("SOPHOS_LAB_SINGLE_OWNER")),
             event_buffer=positive(env.get("SOPHOS_LAB_EVENT_BUFFER"), DEFAULT_EVENT_BUFFER, int),
             runs=(env.get("SOPHOS_LAB_RUNS") or "here").strip().lower(),
+            requeue_limit=positive(env.get("SOPHOS_LAB_REQUEUE"), 0, int),
             model_attempts=positive(env.get("SOPHOS_LAB_MODEL_ATTEMPTS"), DEFAULT_MODEL_ATTEMPTS, int),
             tool_attempts=positive(env.get("SOPHOS_LAB_TOOL_ATTEMPTS"), DEFAULT_TOOL_ATTEMPTS, int),
             retry_base_seconds=positive(env.get("SOPHOS_LAB_RETRY_BASE_SECONDS"), DEFAULT_RETRY_BASE_SECONDS, float),

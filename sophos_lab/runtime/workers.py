@@ -145,7 +145,7 @@ def worker_pool(workers: int, concurrency: int = 1) -> int:
     procs = [subprocess.Popen(command) for _ in range(workers)]
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)
-    store = PostgresStore(settings.database_url, lease_seconds=settings.lease_seconds)
+    store = PostgresStore(settings.database_url, lease_seconds=settings.lease_seconds, requeue_limit=settings.requeue_limit)
     try:
         while True:
             pid, status = os.wait()
