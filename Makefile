@@ -68,8 +68,8 @@ test: setup
 	$(BIN)/python tests/notebooks/golden.py inject $(NBVAL_COPIES)
 	$(BIN)/pytest -q $(PARALLEL) --durations=25 -m "not full_matrix" $(NBVAL_OPTIONS) tests $(NBVAL_COPIES)
 
-# Every crash matrix, each signal and scenario, and the load tests (`make test` leaves out those
-# marked full_matrix).
+# Every crash matrix, each signal and scenario, the load tests and every lesson against the
+# second Ollama-protocol server (`make test` leaves out those marked full_matrix).
 test-matrix: setup
 	$(BIN)/pytest -p no:nbval -q $(PARALLEL) -m "crash_matrix or full_matrix" tests
 

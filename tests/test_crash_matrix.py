@@ -26,6 +26,12 @@ A fresh runtime (an `AgentService` in this process, as in test_crash.py) then op
   published once the checkpoint holding the step's writes is durable. A drained shutdown finishes
   the step under way, so the SIGTERM matrix allows no repeat at all.
 
+With a pool of workers on PostgreSQL (`SOPHOS_LAB_RUNS=workers`), the same points twice more: a
+`sophos-lab worker` stopped after event N and SIGKILLed (its follower gets events 1 to N and one
+final event; recovery and resumes as above), and a web server SIGKILLed with a client's stream
+open after event N (the client reconnects to another server with `Last-Event-ID: N` and gets the
+rest of the run, once each, in order, while the worker finishes it).
+
 Speed: one lab per lane (its own model and web servers, so fetches are counted per lane as
 differences), lanes run concurrently, and each lane starts its next point's worker while the
 current point is killed, recovered and resumed. Run alone, every variant, with `make test-matrix`
@@ -40,14 +46,16 @@ import os
 import select
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conftest import integrity, transcript
 
-from sophos_lab.lab.children import EXITED, FATAL_EVENTS, FINAL_EVENTS, ChildFailed, LabWorker
+from sophos_lab.lab.children import EXITED, FATAL_EVENTS, FINAL_EVENTS, ChildFailed, LabWorker, sse_events
 from sophos_lab.runtime.errors import SophosError
 from sophos_lab.lab.inspect import peek_runs
 from sophos_lab.lab import postgres_server
@@ -68,6 +76,7 @@ BARRIER_TIMEOUT = 60.0
 MATRIX_TIMEOUT = 300.0
 """A hang guard for one matrix, not its budget (it takes well under a minute on 2 cores)."""
 STOP_HOOK = "SOPHOS_LAB_STOP_AFTER_EVENT"
+ON_WORKERS = {"SOPHOS_LAB_RUNS": "workers"}
 
 
 # --- processes: barriers on the child's stream, its stop and its servers' exit ---------------
@@ -200,6 +209,8 @@ class Point:
     same: bool = False
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    position: int = 0
+    """A pool worker's point: the highest event its run had published (0: the point itself)."""
 
 
 def database(files: dict[str, str]) -> str | Path:
@@ -231,7 +242,7 @@ def table(mode: str, points: list[Point], reference: Reference) -> str:
         fetched = "/".join(str(p.fetches.get(page, "?")) for page in PAGES)
         lines.append(
             f"{p.n:>3}  {p.event:<22} {p.disk:<24} {p.child_end:<20} {p.recovered:<26} {p.next:<9} "
-            f"{'?' if p.kept is None else p.kept:>4} {reference.kept_at_least(p.n):>3} {p.resumes:>3}  "
+            f"{'?' if p.kept is None else p.kept:>4} {reference.kept_at_least(p.position or p.n):>3} {p.resumes:>3}  "
             f"{fetched:<7} {'?' if p.model_calls is None else p.model_calls:>5}  "
             f"{'yes' if p.same else 'NO':<5} {p.seconds:.1f}"
         )
@@ -256,6 +267,8 @@ class Lane:
         self.postgres_url = postgres_url
         """The server on which each point gets a database of its own (None: a SQLite file each)."""
         self.message = MESSAGE.format(first=lab.page(PAGES[0]), second=lab.page(PAGES[1]))
+        self.database: str | None = None
+        """The database a lane's points share, when they share one (the web server matrix)."""
 
     def files(self, label: str) -> dict[str, str]:
         # A lab may serve a scenario on both backends in one session: their points' folders differ.
@@ -356,6 +369,18 @@ async def run_point(lane: Lane, child: LabWorker, files: dict[str, str], mode: s
         if point.disk in expected_end and point.child_end not in (expected_end[point.disk], "-"):
             point.problems.append(f"the child said {point.child_end} but recorded {point.disk}")
 
+    await recover_and_check(lane, files, conversation, point, reference, mode, n, before)
+    point.seconds = time.monotonic() - started
+    return point
+
+
+async def recover_and_check(lane: Lane, files: dict[str, str], conversation: str, point: Point,
+                            reference: Reference, mode: str, position: int, before: dict[str | None, int]) -> None:
+    """Once the killed process and its servers are gone: recover in a fresh runtime (its first
+    open), resume until nothing is left, and check the point. `position`: the reference's event
+    the run's graph had reached (the point itself, unless published events were left unwritten)."""
+    db_path = database(files)
+    n = position
     service = lane.lab.service(**files)
     final: list[dict[str, Any]] = []
     try:
@@ -420,8 +445,6 @@ async def run_point(lane: Lane, child: LabWorker, files: dict[str, str], mode: s
             point.problems.append(
                 f"{page} fetched {point.fetches[page]} times, allowed {' or '.join(map(str, allowed))} "
                 f"({where})")
-    point.seconds = time.monotonic() - started
-    return point
 
 
 async def run_lane(lane: Lane, mode: str, numbers: list[int], reference: Reference) -> list[Point]:
@@ -443,18 +466,211 @@ async def run_lane(lane: Lane, mode: str, numbers: list[int], reference: Referen
     return points
 
 
-async def run_matrix(lanes: list[Lane], mode: str, reference: Reference) -> list[Point]:
+async def run_matrix(lanes: list[Lane], reference: Reference,
+                     lane_points: Callable[[Lane, list[int]], Awaitable[list[Point]]]) -> list[Point]:
+    """Every point of the reference, shared out among the lanes, which run concurrently."""
     loop = asyncio.get_running_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=4 * len(lanes) + 4))
     numbers = list(range(1, reference.points + 1))
     per_lane = [numbers[i::len(lanes)] for i in range(len(lanes))]
-    results = await asyncio.gather(*(
-        run_lane(lane, mode, mine, reference) for lane, mine in zip(lanes, per_lane) if mine
-    ))
+    results = await asyncio.gather(*(lane_points(lane, mine) for lane, mine in zip(lanes, per_lane) if mine))
     return sorted((p for points in results for p in points), key=lambda p: p.n)
 
 
+# --- a pool of workers: the worker killed after every event --------------------------------
+#
+# The same points on PostgreSQL with `SOPHOS_LAB_RUNS=workers`: a runtime in this process (as a
+# web server does) queues the message, a `sophos-lab worker` on the point's database claims it
+# and runs it with `SOPHOS_LAB_STOP_AFTER_EVENT=N`: it stops right after its N-th event is in
+# `run_events`, saying how far its run had got (`published`: the events the graph had published
+# by then, N+1 on still unwritten). It is SIGKILLed there. The follower, which was reading the
+# run's events from the table, must get exactly events 1 to N as the reference has them and then
+# one final event, written by the relabel that a follower's look makes once the worker is gone.
+# Then recovery and resumes as above, judged by the worker's position: a step it had published
+# finished is kept, and a page may be fetched twice only if that position lies in its window.
+
+
+def start_pool_worker(lane: Lane, label: str, stop_after: int) -> tuple[Any, dict[str, str]]:
+    files = lane.files(label)
+    return lane.lab.pool_worker(**files, **{STOP_HOOK: str(stop_after)}), files
+
+
+async def run_worker_point(lane: Lane, worker: Any, files: dict[str, str], n: int, reference: Reference) -> Point:
+    started = time.monotonic()
+    point = Point(n, describe(reference.events[n - 1]))
+    before = await asyncio.to_thread(lane.fetch_counts)
+    web = lane.lab.service(**files, SOPHOS_LAB_RUNS="workers")
+    seen: list[dict[str, Any]] = []
+    try:
+        run = await web.chat(lane.message)
+        conversation = run.conversation
+
+        async def follow() -> None:
+            async for event in run.events(0):
+                seen.append({"id": event.id, "event": event.event, "data": event.data})
+
+        following = asyncio.create_task(follow())
+        try:
+            _, point.position = await asyncio.to_thread(worker.wait_stopped, BARRIER_TIMEOUT)
+            servers = descendants(worker.pid)
+            code = await asyncio.to_thread(worker.kill)
+            await asyncio.to_thread(wait_gone, servers)
+            point.disk = run_statuses(database(files), conversation)
+            await web._look(run)  # what a follower does when no event comes for a while
+            await asyncio.wait_for(following, BARRIER_TIMEOUT)
+        finally:
+            following.cancel()
+    finally:
+        worker.close()
+        await web.aclose()
+    if code != -signal.SIGKILL:
+        point.problems.append(f"the worker exited with {code}, not by SIGKILL")
+    if point.position < n:
+        point.problems.append(f"the worker stopped at {point.position}, before its point")
+    ids = [e["id"] for e in seen]
+    if ids != list(range(1, len(ids) + 1)):
+        point.problems.append(f"the follower's ids are not 1 to {len(ids)}: {ids}")
+    if [describe(e) for e in seen[:n]] != [describe(e) for e in reference.events[:n]]:
+        point.problems.append(f"the follower's first {n} events differ from the reference's: "
+                              f"{[describe(e) for e in seen[:n]]}")
+    last = seen[-1] if seen else {"event": "(none)", "data": {}}
+    expected = n if n == reference.points else n + 1  # the last point is the run's own `end`
+    if len(seen) != expected or last["event"] not in ("end", "chat-error"):
+        point.problems.append(f"the follower got {len(seen)} events ending with {describe(last)}, "
+                              f"not {expected} ending with the final one")
+    point.child_end = last["event"] + f" {last['data'].get('code') or last['data'].get('status')}"
+    await recover_and_check(lane, files, conversation, point, reference, "SIGKILL", point.position, before)
+    point.seconds = time.monotonic() - started
+    return point
+
+
+async def run_worker_lane(lane: Lane, numbers: list[int], reference: Reference) -> list[Point]:
+    points: list[Point] = []
+    starting = asyncio.ensure_future(asyncio.to_thread(start_pool_worker, lane, f"worker-{numbers[0]:02d}", numbers[0]))
+    for i, n in enumerate(numbers):
+        worker, files = await starting
+        if i + 1 < len(numbers):
+            nxt = numbers[i + 1]
+            starting = asyncio.ensure_future(asyncio.to_thread(start_pool_worker, lane, f"worker-{nxt:02d}", nxt))
+        try:
+            points.append(await run_worker_point(lane, worker, files, n, reference))
+        except Exception as error:  # keep the table: one broken point must not hide the others
+            worker.close()
+            broken = Point(n, describe(reference.events[n - 1]))
+            broken.problems.append(f"the point itself broke: {type(error).__name__}: {error}")
+            points.append(broken)
+    return points
+
+
+# --- a pool of workers: the web server killed after every event ----------------------------
+#
+# Per lane one database, one worker and a web server B; per point a web server A. The client
+# sends the message through A and reads A's stream up to event N, A is SIGKILLed with the stream
+# open, and the client reconnects to B with `Last-Event-ID: N`. The run goes on in its worker:
+# A's events 1 to N and B's after N must be the whole run, once each and in order, and the run's
+# transcript and effects those of the uninterrupted run.
+
+
+def sse_frames(url: str, conversation: str, last_event_id: int | None = None) -> Any:
+    """A client's SSE connection: the context manager of its response."""
+    headers = {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)}
+    return httpx.stream("GET", f"{url}/api/chat", params={"conversation": conversation}, headers=headers,
+                        timeout=httpx.Timeout(BARRIER_TIMEOUT))
+
+
+def kill_mid_stream(a: Any, b: Any, conversation: str, n: int) -> tuple[int, list[dict], list[dict]]:
+    """Read A's stream up to event `n`, SIGKILL A with it open, and read B's from there to
+    the end: A's exit code, and the events from each."""
+    seen: list[dict[str, Any]] = []
+    try:
+        with sse_frames(a.url, conversation) as response:
+            for event in sse_events(response.iter_lines()):
+                if event["event"] != "ping":
+                    seen.append(event)
+                if event["id"] == n:
+                    break
+            code = a.kill()
+    finally:
+        a.close()
+    rest: list[dict[str, Any]] = []
+    if seen and seen[-1]["event"] not in FINAL_EVENTS:
+        with sse_frames(b.url, conversation, seen[-1]["id"]) as response:
+            rest = [event for event in sse_events(response.iter_lines()) if event["event"] != "ping"]
+    return code, seen, rest
+
+
+async def run_server_point(lane: Lane, a: Any, b: Any, reader: Any, n: int, reference: Reference) -> Point:
+    started = time.monotonic()
+    point = Point(n, describe(reference.events[n - 1]))
+    before = await asyncio.to_thread(lane.fetch_counts)
+    accepted = await asyncio.to_thread(
+        httpx.post, f"{a.url}/api/chat", json={"message": lane.message}, timeout=BARRIER_TIMEOUT)
+    conversation = accepted.json()["conversation"]
+    code, seen, rest = await asyncio.to_thread(kill_mid_stream, a, b, conversation, n)
+    point.disk = f"A 1-{seen[-1]['id'] if seen else 0}, B {len(rest)}"
+    if code != -signal.SIGKILL:
+        point.problems.append(f"server A exited with {code}, not by SIGKILL")
+    got = seen + rest
+    ids = [e["id"] for e in got]
+    if ids != list(range(1, reference.points + 1)):
+        point.problems.append(f"ids {ids}, not 1 to {reference.points} once each")
+    if [describe(e) for e in got] != [describe(e) for e in reference.events]:
+        point.problems.append("the events differ from the reference's: " + ", ".join(describe(e) for e in got))
+    last = got[-1] if got else {"event": "(none)", "data": {}}
+    point.child_end = last["event"] + f" {last['data'].get('code') or last['data'].get('status')}"
+    if point.child_end != "end completed":
+        point.problems.append(f"the run ended with {point.child_end}")
+    detail = await reader.get_conversation(conversation)
+    point.recovered = run_statuses(lane.database, conversation)
+    point.kept = len(detail.messages)
+    point.next = ",".join(detail.next) or "-"
+    point.fetches = await asyncio.to_thread(lane.since, before)
+    point.model_calls = point.fetches.pop(None)
+    final = transcript(detail.messages, lane.lab.web.url)
+    point.same = final == reference.transcript
+    if not point.same:
+        point.problems.append(f"transcript differs: roles {[m['role'] for m in final]}")
+    if any(count != 1 for count in point.fetches.values()) or point.model_calls != reference.model_calls:
+        point.problems.append(f"effects {point.fetches}, {point.model_calls} model calls: not each once")
+    point.seconds = time.monotonic() - started
+    return point
+
+
+async def run_server_lane(lane: Lane, numbers: list[int], reference: Reference) -> list[Point]:
+    """The lane's points in order on one database, one worker and one server B; each point's
+    server A is started while the one before runs."""
+    files = lane.files("servers")
+    lane.database = files["DATABASE_URL"]
+    env = {**files, **ON_WORKERS}
+    b = await asyncio.to_thread(lane.lab.server, **env)
+    await asyncio.to_thread(lane.lab.pool_worker, **files)
+    reader = lane.lab.service(**env)
+    points = []
+    try:
+        starting = asyncio.ensure_future(asyncio.to_thread(lane.lab.server, **env))
+        for i, n in enumerate(numbers):
+            a = await starting
+            if i + 1 < len(numbers):
+                starting = asyncio.ensure_future(asyncio.to_thread(lane.lab.server, **env))
+            try:
+                points.append(await run_server_point(lane, a, b, reader, n, reference))
+            except Exception as error:  # keep the table: one broken point must not hide the others
+                a.close()
+                broken = Point(n, describe(reference.events[n - 1]))
+                broken.problems.append(f"the point itself broke: {type(error).__name__}: {error}")
+                points.append(broken)
+    finally:
+        await reader.aclose()
+    return points
+
+
 # --- the tests ------------------------------------------------------------------------------
+
+
+def assert_every_point(points: list[Point], reference: Reference, report: str) -> None:
+    print("\n" + report)
+    assert len(points) == reference.points
+    assert not any(p.problems for p in points), report
 
 
 @pytest.fixture(scope="module")
@@ -481,14 +697,38 @@ def matrix(request, lab_home):
 def test_a_kill_after_any_event_recovers_to_the_same_transcript(matrix, mode):
     lanes, reference = matrix
     started = time.monotonic()
-    points = asyncio.run(asyncio.wait_for(run_matrix(lanes, mode, reference), MATRIX_TIMEOUT))
+    points = asyncio.run(asyncio.wait_for(
+        run_matrix(lanes, reference, lambda lane, mine: run_lane(lane, mode, mine, reference)), MATRIX_TIMEOUT))
     seconds = time.monotonic() - started
     report = table(mode, points, reference) + (
         f"\n{mode} matrix on {'PostgreSQL' if lanes[0].postgres_url else 'SQLite'}: {seconds:.1f} s for {len(points)} points on {len(lanes)} lanes "
         f"({os.cpu_count()} cores; the reference run took {reference.seconds:.1f} s)")
-    print("\n" + report)
-    assert len(points) == reference.points
-    assert not any(p.problems for p in points), report
+    assert_every_point(points, reference, report)
+
+
+@pytest.mark.parametrize("matrix", ["postgres"], indirect=True)
+def test_a_pool_worker_killed_after_any_event_leaves_its_followers_an_end_and_recovers_the_same(matrix):
+    lanes, reference = matrix
+    started = time.monotonic()
+    points = asyncio.run(asyncio.wait_for(
+        run_matrix(lanes, reference, lambda lane, mine: run_worker_lane(lane, mine, reference)), MATRIX_TIMEOUT))
+    report = table("SIGKILL of a pool worker", points, reference) + (
+        f"\n(child wrote: the follower's final event; min: judged by the worker's position, "
+        f"{', '.join(f'{p.n}->{p.position}' for p in points if p.position != p.n) or 'always the point'})"
+        f"\npool worker matrix: {time.monotonic() - started:.1f} s for {len(points)} points on {len(lanes)} lanes")
+    assert_every_point(points, reference, report)
+
+
+@pytest.mark.parametrize("matrix", ["postgres"], indirect=True)
+def test_a_web_server_killed_after_any_event_leaves_the_run_to_its_worker_and_another_server_gives_the_rest(matrix):
+    lanes, reference = matrix
+    started = time.monotonic()
+    points = asyncio.run(asyncio.wait_for(
+        run_matrix(lanes, reference, lambda lane, mine: run_server_lane(lane, mine, reference)), MATRIX_TIMEOUT))
+    report = table("SIGKILL of a web server", points, reference) + (
+        "\n(disk: the events the client got from server A and then from server B; child wrote: the last one)"
+        f"\nweb server matrix: {time.monotonic() - started:.1f} s for {len(points)} points on {len(lanes)} lanes")
+    assert_every_point(points, reference, report)
 
 
 # --- kill points at the commits: where no event marks the moment -----------------------------

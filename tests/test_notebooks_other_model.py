@@ -34,9 +34,23 @@ KILL_POINT_NEEDS_A_TOOL_CALL = {
     "09_life_of_one_run", "10_cancel", "11_approval_gate", "12_retries_and_timeouts",
 }
 
+IN_MAKE_TEST = {
+    "00_start_here", "05_memory_is_not_one_thing", "06c_tool_error_is_data", "06d_crash_after_tool_result",
+    "10_cancel", "15_challenge_replay_safe_tool",
+}
+"""The lessons `make test` runs against this server: the first one, a hesitant kill point, and the
+quick ones (a few seconds each). Every lesson runs with `make test-matrix` (or `-m other_model`):
+nbval runs them all with the scripted model in `make test`, and the other server doubles a
+lesson's time."""
+
+
+def sampled(path: Path):
+    marks = () if path.stem in IN_MAKE_TEST else (pytest.mark.full_matrix,)
+    return pytest.param(path, id=path.stem, marks=marks)
+
 
 @pytest.mark.other_model
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", [sampled(p) for p in NOTEBOOKS])
 def test_the_lesson_runs_to_the_end_with_another_ollama_server(path, ollama_like, monkeypatch):
     monkeypatch.setenv("OLLAMA_HOST", ollama_like)  # what a learner sets; the kernel inherits it
     hesitant = path.stem in KILL_POINT_NEEDS_A_TOOL_CALL

@@ -362,6 +362,10 @@ class LabPoolWorker:
         self.owner: str | None = None
         """Its owner id (as `runs.owner_id` names it), once started."""
         self.returncode: int | None = None
+        self.stopped_at: tuple[int, int] | None = None
+        """With `SOPHOS_LAB_STOP_AFTER_EVENT=N`, once it has stopped itself: `(N, M)`, M the
+        highest event id its run had published (its graph's position; events N+1 to M unwritten)."""
+        self._stop_line = threading.Event()
 
     @property
     def pid(self) -> int:
@@ -369,6 +373,7 @@ class LabPoolWorker:
         return self.proc.pid
 
     def start(self, timeout: float = 60.0) -> LabPoolWorker:
+        from ..runtime.queue import STOPPED
         from ..runtime.workers import READY
 
         with open(self.log_path, "ab") as stderr:
@@ -378,10 +383,15 @@ class LabPoolWorker:
 
         def read() -> None:
             for line in self.proc.stdout:
+                fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
                 if line.startswith(READY):
-                    self.owner = dict(part.split("=", 1) for part in line.split()[2:])["owner"]
+                    self.owner = fields["owner"]
                     ready.set()
+                elif line.startswith(STOPPED):
+                    self.stopped_at = int(fields["after"]), int(fields["published"])
+                    self._stop_line.set()
             ready.set()
+            self._stop_line.set()
 
         threading.Thread(target=read, daemon=True).start()
         if not ready.wait(timeout) or self.owner is None:
@@ -398,6 +408,19 @@ class LabPoolWorker:
         _killpg(self.proc.pid, signal.SIGKILL)
         self.returncode = self.proc.wait()
         return self.returncode
+
+    def wait_stopped(self, timeout: float = 60.0) -> tuple[int, int]:
+        """Block until the worker has stopped itself at its stop point (`SOPHOS_LAB_STOP_AFTER_EVENT`),
+        a barrier; `stopped_at`."""
+        assert self.proc is not None
+        if not self._stop_line.wait(timeout):
+            raise TimeoutError(f"the worker did not reach its stop point within {timeout} s; see {self.log_path}")
+        try:
+            wait_stopped(self.proc, timeout)
+        except ChildProcessError as error:
+            raise ChildFailed(str(error)) from None
+        assert self.stopped_at is not None
+        return self.stopped_at
 
     def freeze(self) -> None:
         """SIGSTOP: alive, but unable to renew its lease."""

@@ -334,7 +334,7 @@ class Lab:
         `LabPoolWorker` to kill, freeze, thaw and shut down; `owner` is its `runs.owner_id`."""
         from .children import LabPoolWorker
 
-        if not self.database_url:
+        if not (self.database_url or env.get("DATABASE_URL")):
             raise ValueError("a pool of workers needs PostgreSQL: Lab.setup(..., postgres=True)")
         child = LabPoolWorker(self.env(**env), cwd=self.root, log_path=self._log("pool-worker"), concurrency=concurrency)
         self._children.append(child)

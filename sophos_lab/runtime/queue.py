@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +55,9 @@ READ_CONNECTIONS = 10
 """A server's connections for reading events: each read is one short query, shared by every follower."""
 WRITE_ATTEMPTS = 35
 """A worker's tries at writing a batch of events (about a minute, the waits doubling up to 2 s)."""
+STOPPED = "worker stopped"
+"""With a stop point (crash tests): the line a worker prints, `after=N published=M`, just before
+it SIGSTOPs itself."""
 
 
 def event_row(run_id: str, conversation_id: str, event: Event) -> tuple[Any, ...]:
@@ -180,17 +185,25 @@ class EventWriter:
     """A worker's runs' events, written in the order they were published: one task takes what
     has gathered and writes each run's share in a transaction of its own."""
 
-    def __init__(self, pool: Any, owner_id: str, keep: int | None, lock: asyncio.Lock) -> None:
+    def __init__(self, pool: Any, owner_id: str, keep: int | None, lock: asyncio.Lock, stop_after: int = 0) -> None:
         self._pool, self._owner_id, self._keep = pool, owner_id, keep
         self._lock = lock
         """The saver's: held from the row lock to the commit, so that no synchronous write of
         the app tables (which blocks this loop) can wait on that row lock meanwhile."""
         self._queue: asyncio.Queue[tuple[str, str, Event]] = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        self._stop_after = stop_after
+        """Crash tests (`SOPHOS_LAB_STOP_AFTER_EVENT`): once event `stop_after` of the first run
+        is written, SIGSTOP this process before writing any later one (0: never)."""
+        self._stop_run: str | None = None
+        self._published: dict[str, int] = {}
+        """Per run of a stop point, the highest event id added so far: how far its graph got."""
 
     def add(self, run_id: str, conversation_id: str, event: Event) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._write())
+        if self._stop_after:
+            self._published[run_id] = max(self._published.get(run_id, 0), event.id)
         self._queue.put_nowait((run_id, conversation_id, event))
 
     async def flushed(self) -> None:
@@ -212,10 +225,27 @@ class EventWriter:
                 for run_id, conversation_id, event in batch:
                     by_run.setdefault((run_id, conversation_id), []).append(event)
                 for (run_id, conversation_id), events in by_run.items():
-                    await self._append(run_id, conversation_id, events)
+                    if self._stop_after and self._stop_run in (None, run_id):
+                        events = await self._stop_within(run_id, conversation_id, events)
+                    if events:
+                        await self._append(run_id, conversation_id, events)
             finally:
                 for _ in batch:
                     self._queue.task_done()
+
+    async def _stop_within(self, run_id: str, conversation_id: str, events: list[Event]) -> list[Event]:
+        """A stop point: write the events up to `stop_after`, say how far the graph had got,
+        SIGSTOP; what is left to write once continued (if ever)."""
+        self._stop_run = run_id
+        if events[-1].id < self._stop_after:
+            return events
+        head = [event for event in events if event.id <= self._stop_after]
+        if head:
+            await self._append(run_id, conversation_id, head)
+        print(f"{STOPPED} after={self._stop_after} published={self._published[run_id]}", flush=True)
+        self._stop_after = 0
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return events[len(head):]
 
     async def _append(self, run_id: str, conversation_id: str, events: list[Event]) -> None:
         """Write them, trying again while the database cannot be reached: a gap would cut every

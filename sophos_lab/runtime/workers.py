@@ -56,7 +56,10 @@ async def run_worker(settings: Settings, concurrency: int = 1, stop: asyncio.Eve
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, terminate)
-    writer = EventWriter(service._saver_conn, service.store.owner.id, settings.event_buffer, service._saver.lock)
+    # SOPHOS_LAB_STOP_AFTER_EVENT=N (crash tests): stop after writing event N of the first run.
+    stop_after = int(os.environ.get("SOPHOS_LAB_STOP_AFTER_EVENT") or 0)
+    writer = EventWriter(service._saver_conn, service.store.owner.id, settings.event_buffer, service._saver.lock,
+                         stop_after)
     listening = asyncio.create_task(_listen(settings.database_url, service, wake))
     print(f"{READY} owner={service.store.owner.id} pid={os.getpid()}", flush=True)
     try:
