@@ -288,10 +288,15 @@ SQLITE_FIXTURES = {"db_path", "fetched"}
 def pytest_generate_tests(metafunc):
     if "backend" not in metafunc.fixturenames:
         return
-    both = metafunc.definition.get_closest_marker("both_backends") is not None
+    both = metafunc.definition.get_closest_marker("both_backends")
     only = (metafunc.definition.get_closest_marker("sqlite_only") is not None
             or bool(SQLITE_FIXTURES & set(inspect.signature(metafunc.function).parameters)))
-    metafunc.parametrize("backend", BACKENDS if both and not only else ("sqlite",), indirect=True)
+    # `@pytest.mark.both_backends(postgres_full_matrix=True)`: the PostgreSQL run is left to
+    # `make test-matrix` (a slow test whose PostgreSQL side other tests of `make test` cover).
+    later = both is not None and both.kwargs.get("postgres_full_matrix", False)
+    params = [pytest.param(name, marks=(pytest.mark.full_matrix,) if later and name == "postgres" else ())
+              for name in (BACKENDS if both is not None and not only else ("sqlite",))]
+    metafunc.parametrize("backend", params, indirect=True)
 
 
 @pytest.fixture

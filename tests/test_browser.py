@@ -391,6 +391,7 @@ def test_resume_button_finishes_the_answer_in_a_real_browser(jupyterlab, tmp_pat
         assert not same, f"the widget keeps its light-theme colours in the dark theme: {same}\nlight: {light}\ndark: {dark}"
 
 
+@pytest.mark.full_matrix  # the web page's approval card (test_server_browser.py) stays in make test
 def test_approve_on_the_approval_card_pays_once_in_a_real_browser(jupyterlab, tmp_path):
     from playwright.sync_api import expect
 

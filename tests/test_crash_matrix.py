@@ -45,6 +45,7 @@ import concurrent.futures
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -578,15 +579,19 @@ def sse_frames(url: str, conversation: str, last_event_id: int | None = None) ->
                         timeout=httpx.Timeout(BARRIER_TIMEOUT))
 
 
-def kill_mid_stream(a: Any, b: Any, conversation: str, n: int) -> tuple[int, list[dict], list[dict]]:
+def kill_mid_stream(a: Any, b: Any, conversation: str, n: int,
+                    opened: Callable[[], Any]) -> tuple[int, list[dict], list[dict]]:
     """Read A's stream up to event `n`, SIGKILL A with it open, and read B's from there to
-    the end: A's exit code, and the events from each."""
+    the end: A's exit code, and the events from each. `opened` is called once A's stream has
+    sent its first event (the run, held until then, may go on)."""
     seen: list[dict[str, Any]] = []
     try:
         with sse_frames(a.url, conversation) as response:
             for event in sse_events(response.iter_lines()):
                 if event["event"] != "ping":
                     seen.append(event)
+                if len(seen) == 1:
+                    opened()
                 if event["id"] == n:
                     break
             code = a.kill()
@@ -603,10 +608,17 @@ async def run_server_point(lane: Lane, a: Any, b: Any, reader: Any, n: int, refe
     started = time.monotonic()
     point = Point(n, describe(reference.events[n - 1]))
     before = await asyncio.to_thread(lane.fetch_counts)
+    # The run waits at its first fetch until the client's stream is open: a run that ended
+    # before the GET reached A would be answered with one `end`, not its events.
+    await asyncio.to_thread(lane.lab.web.hold, "/" + PAGES[0])
     accepted = await asyncio.to_thread(
         httpx.post, f"{a.url}/api/chat", json={"message": lane.message}, timeout=BARRIER_TIMEOUT)
     conversation = accepted.json()["conversation"]
-    code, seen, rest = await asyncio.to_thread(kill_mid_stream, a, b, conversation, n)
+
+    def release_once_held() -> None:  # the hold stays armed until a request meets it
+        threading.Thread(target=lambda: (lane.lab.web.wait_held(), lane.lab.web.release()), daemon=True).start()
+
+    code, seen, rest = await asyncio.to_thread(kill_mid_stream, a, b, conversation, n, release_once_held)
     point.disk = f"A 1-{seen[-1]['id'] if seen else 0}, B {len(rest)}"
     if code != -signal.SIGKILL:
         point.problems.append(f"server A exited with {code}, not by SIGKILL")
@@ -692,7 +704,8 @@ def matrix(request, lab_home):
 
 # SIGTERM tests the runtime's drain, the same on both backends; what PostgreSQL must show too
 # is recovery from a kill at every point.
-@pytest.mark.parametrize(("matrix", "mode"), [("sqlite", "SIGKILL"), pytest.param("sqlite", "SIGTERM", marks=FULL), ("postgres", "SIGKILL")],
+@pytest.mark.parametrize(("matrix", "mode"), [("sqlite", "SIGKILL"), pytest.param("sqlite", "SIGTERM", marks=FULL),
+                                                  pytest.param("postgres", "SIGKILL", marks=FULL)],
                          indirect=["matrix"])
 def test_a_kill_after_any_event_recovers_to_the_same_transcript(matrix, mode):
     lanes, reference = matrix
@@ -987,7 +1000,8 @@ def write_labs(lab_home):
 
 
 @pytest.mark.parametrize("mode", ["SIGKILL", pytest.param("SIGTERM", marks=FULL)])
-@pytest.mark.parametrize("which", ["fetch-and-summarise", pytest.param("follow-up", marks=FULL), "gated payment"])
+@pytest.mark.parametrize("which", ["fetch-and-summarise", pytest.param("follow-up", marks=FULL),
+                                   pytest.param("gated payment", marks=FULL)])
 def test_a_kill_right_after_any_commit_leaves_nothing_stuck_lost_or_run_twice(write_labs, which, mode):
     labs = write_labs["ledger" if which == "gated payment" else "plain"]
     points = asyncio.run(asyncio.wait_for(write_matrix(labs, which, mode), MATRIX_TIMEOUT))

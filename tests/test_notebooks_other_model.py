@@ -34,12 +34,9 @@ KILL_POINT_NEEDS_A_TOOL_CALL = {
     "09_life_of_one_run", "10_cancel", "11_approval_gate", "12_retries_and_timeouts",
 }
 
-IN_MAKE_TEST = {
-    "00_start_here", "05_memory_is_not_one_thing", "06c_tool_error_is_data", "06d_crash_after_tool_result",
-    "10_cancel", "15_challenge_replay_safe_tool",
-}
-"""The lessons `make test` runs against this server: the first one, a hesitant kill point, and the
-quick ones (a few seconds each). Every lesson runs with `make test-matrix` (or `-m other_model`):
+IN_MAKE_TEST = {"00_start_here", "06d_crash_after_tool_result"}
+"""The lessons `make test` runs against this server: the first one and a hesitant kill point.
+Every lesson runs with `make test-matrix` (or `-m other_model`):
 nbval runs them all with the scripted model in `make test`, and the other server doubles a
 lesson's time."""
 

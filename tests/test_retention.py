@@ -572,6 +572,7 @@ def sophos_lab(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedPr
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.both_backends(postgres_full_matrix=True)
 async def test_cli_dry_runs_print_exactly_what_would_go_and_change_nothing(lab, open_service, where, tmp_path):
     async with open_service() as agent:
         conversation = await talk(agent, lab, 3)
@@ -594,6 +595,7 @@ async def test_cli_dry_runs_print_exactly_what_would_go_and_change_nothing(lab, 
     assert not (tmp_path / "lab-home").exists()  # the default database was never made
 
 
+@pytest.mark.both_backends(postgres_full_matrix=True)
 async def test_cli_delete_prune_and_vacuum_change_the_database_and_only_it(lab, open_service, where, tmp_path):
     memory = tmp_path / "memory.jsonl"
     memory.write_text('{"type": "entity", "name": "lab", "entityType": "thing", "observations": []}\n')

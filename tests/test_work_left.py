@@ -64,7 +64,7 @@ async def cancelled_after_commit(agent, message: str, k: int):
     return run, seen[k - 1]
 
 
-@pytest.mark.both_backends
+@pytest.mark.both_backends(postgres_full_matrix=True)
 async def test_a_cancel_right_after_any_commit_leaves_the_conversation_answered_or_resumable(
         lab, open_service, tmp_path, database):
     message = f"Fetch {lab.page('index.html')}"
