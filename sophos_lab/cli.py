@@ -15,8 +15,9 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from .runtime.agent import check_model
 from .runtime.settings import Settings
@@ -191,7 +192,8 @@ def start_lab(port: int, extra: list[str]) -> int:
 def serve_api(host: str, port: int, lab_child: bool = False) -> int:
     """Serve the HTTP API (`sophos_lab.server`) with the kit's settings until SIGTERM or Ctrl-C.
 
-    Anything but loopback needs `SOPHOS_LAB_TOKEN` (refused here with exit code 2 without one).
+    Anything but loopback needs users (`sophos-lab user add`) or `SOPHOS_LAB_TOKEN` (refused
+    here with exit code 2 without either).
     Without `OLLAMA_HOST` a scripted model is started first, as for `lab`. A SIGTERM or Ctrl-C
     drains (see `server.process`) and then exits 0. A lab's child (`lab_child`, `Lab.server()`)
     reports as `@@sophos` event lines on stdout and shuts down when its stdin closes.
@@ -199,10 +201,11 @@ def serve_api(host: str, port: int, lab_child: bool = False) -> int:
     from .server.auth import is_loopback
 
     env = lab_environment()
-    if not is_loopback(host) and not env.get("SOPHOS_LAB_TOKEN"):
+    if not is_loopback(host) and not env.get("SOPHOS_LAB_TOKEN") and not _has_users(env):
         print(f"sophos-lab serve: refusing to listen on {host} without a token: anyone who can reach it "
-              "could run the agent. Set SOPHOS_LAB_TOKEN to a long random secret (clients then send "
-              "Authorization: Bearer <it>), or listen on 127.0.0.1.", file=sys.stderr)
+              "could run the agent. Add users (`sophos-lab user add NAME`: each gets a token), or set "
+              "SOPHOS_LAB_TOKEN to a long random secret (clients then send Authorization: Bearer <it>), "
+              "or listen on 127.0.0.1.", file=sys.stderr)
         return 2
     from .server.app import ServerOptions
     from .server.process import run_server
@@ -235,6 +238,31 @@ def serve_api(host: str, port: int, lab_child: bool = False) -> int:
         if model is not None:
             stop_server(model)
     return 0
+
+
+def _has_users(env: Mapping[str, str]) -> bool:
+    """Whether the database has users, opening nothing that is not there yet (a SQLite file is
+    only read, and only if it exists)."""
+    import sqlite3
+
+    from .runtime import users
+    from .runtime.service import open_store
+
+    settings = Settings.from_env(env)
+    if not settings.database_url:
+        if not settings.database_path.exists():
+            return False
+        conn = sqlite3.connect(f"file:{settings.database_path}?mode=ro", uri=True)
+        try:
+            return conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'users'").fetchone() is not None and \
+                conn.execute("SELECT 1 FROM users LIMIT 1").fetchone() is not None
+        finally:
+            conn.close()
+    store = open_store(settings)
+    try:
+        return users.has_users(store)
+    finally:
+        store.close()
 
 
 def doctor(environ: Mapping[str, str] | None = None) -> int:
@@ -332,6 +360,32 @@ RETENTION_NOTE = (
 )
 
 
+def with_service(args: argparse.Namespace, environ: Mapping[str, str] | None, name: str,
+                 command: Callable[[Any], Awaitable[None]]) -> int:
+    """Run `command` on an `AgentService` of the lab's database (or `--database`, the file named
+    rather than DATABASE_URL's server): 0 when it is done, 1 with the refusal on stderr."""
+    from .runtime.errors import SophosError
+    from .runtime.service import AgentService
+
+    env = lab_environment(environ)
+    if args.database:
+        env["DATABASE_PATH"] = args.database
+        env.pop("DATABASE_URL", None)
+    service = AgentService(Settings.from_env(env))
+
+    async def run() -> int:
+        try:
+            await command(service)
+        except SophosError as error:
+            print(f"sophos-lab {name}: {error}", file=sys.stderr)
+            return 1
+        finally:
+            await service.aclose()
+        return 0
+
+    return asyncio.run(run())
+
+
 def retention(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
     """`delete`, `prune` and `vacuum` on the lab's database (or `--database`); 0 when done.
 
@@ -340,42 +394,28 @@ def retention(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     """
     from .runtime import retention as rules
     from .runtime.errors import SophosError
-    from .runtime.service import AgentService
 
-    env = lab_environment(environ)
-    if args.database:
-        env["DATABASE_PATH"] = args.database
-        env.pop("DATABASE_URL", None)  # the file named, not the server
-    service = AgentService(Settings.from_env(env))
+    async def run(service) -> None:
+        if args.command == "delete":
+            print((await service.delete_conversation(args.conversation, dry_run=args.dry_run)).describe())
+        elif args.command == "prune":
+            rules.parse_keep(args.keep)  # a bad --keep is refused once, not once per conversation
+            targets = service.conversation_ids() if args.all else [args.conversation]
+            for conversation in targets:
+                try:
+                    print((await service.prune_conversation(
+                        conversation, keep=args.keep, dry_run=args.dry_run)).describe())
+                except SophosError as error:
+                    if not args.all:
+                        raise
+                    print(f"{conversation}: left as it is: {error}")
+            if args.all and not targets:
+                where = "the database at DATABASE_URL" if service.settings.database_url else service.settings.database_path
+                print(f"{where}: no conversations")
+        if args.command == "vacuum" or (args.vacuum and not args.dry_run):
+            print((await service.vacuum()).describe())
 
-    async def run() -> int:
-        try:
-            if args.command == "delete":
-                print((await service.delete_conversation(args.conversation, dry_run=args.dry_run)).describe())
-            elif args.command == "prune":
-                rules.parse_keep(args.keep)  # a bad --keep is refused once, not once per conversation
-                targets = service.conversation_ids() if args.all else [args.conversation]
-                for conversation in targets:
-                    try:
-                        print((await service.prune_conversation(
-                            conversation, keep=args.keep, dry_run=args.dry_run)).describe())
-                    except SophosError as error:
-                        if not args.all:
-                            raise
-                        print(f"{conversation}: left as it is: {error}")
-                if args.all and not targets:
-                    where = "the database at DATABASE_URL" if service.settings.database_url else service.settings.database_path
-                    print(f"{where}: no conversations")
-            if args.command == "vacuum" or (args.vacuum and not args.dry_run):
-                print((await service.vacuum()).describe())
-        except SophosError as error:
-            print(f"sophos-lab {args.command}: {error}", file=sys.stderr)
-            return 1
-        finally:
-            await service.aclose()
-        return 0
-
-    return asyncio.run(run())
+    return with_service(args, environ, args.command, run)
 
 
 def migrate_to_postgres(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
@@ -398,6 +438,64 @@ def migrate_to_postgres(args: argparse.Namespace, environ: Mapping[str, str] | N
         print(f"sophos-lab migrate-to-postgres: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def user_command(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """`user add | list | revoke | delete` on the lab's database (or `--database`); 0 when done.
+
+    `add` prints the new user's token once (the database keeps only its SHA-256). A refusal (a
+    name taken or unknown, a run of the user's still live) is printed on stderr and returns 1,
+    with nothing changed.
+    """
+    from .runtime import users
+    from .runtime.store import utc_now
+
+    async def run(service) -> None:
+        if args.action == "add":
+            user, token = users.add_user(service.store, args.name, utc_now())
+            print(f"user {user.name} added; its token (shown this once, keep it):\n{token}")
+        elif args.action == "list":
+            listed = users.list_users(service.store)
+            for user, conversations in listed:
+                state = f"revoked {user.revoked_at}" if user.revoked else "active"
+                print(f"{user.name}\t{state}\tsince {user.created_at}\t{conversations} conversation(s)")
+            if not listed:
+                print("no users: the server runs in single-user mode (see `sophos-lab user add`)")
+        elif args.action == "revoke":
+            user = users.revoke_user(service.store, args.name, utc_now())
+            print(f"user {user.name}: token revoked at {user.revoked_at}; its conversations are kept "
+                  "(`sophos-lab user delete` removes them)")
+        elif args.action == "delete":
+            removals = await service.delete_user(args.name, dry_run=args.dry_run)
+            for removal in removals:
+                print(removal.describe())
+            verb = "would be deleted" if args.dry_run else "deleted"
+            print(f"user {args.name} {verb}, with {len(removals)} conversation(s)"
+                  + ("; nothing was changed" if args.dry_run else ""))
+
+    return with_service(args, environ, f"user {args.action}", run)
+
+
+def _add_user_commands(commands: argparse._SubParsersAction) -> None:
+    user = commands.add_parser(
+        "user", help="users of a shared server: add (prints a token), list, revoke, delete",
+        description="Users of one server. With any user, every API request needs a user's token (or "
+                    "SOPHOS_LAB_TOKEN, the instructor's, which sees everything), and each user sees only "
+                    "their own conversations. Without users the server is single-user (the default).")
+    actions = user.add_subparsers(dest="action", required=True)
+    parsers = {
+        "add": actions.add_parser("add", help="add a user and print its token, once"),
+        "list": actions.add_parser("list", help="every user, whether revoked, and how many conversations"),
+        "revoke": actions.add_parser("revoke", help="stop a user's token working now (conversations kept)"),
+        "delete": actions.add_parser(
+            "delete", help="delete a user with every conversation, run, checkpoint, gate and key of theirs"),
+    }
+    for action, parser in parsers.items():
+        if action != "list":
+            parser.add_argument("name", help="the user's name (letters, digits, . _ -)")
+        parser.add_argument("--database", metavar="PATH",
+                            help="the SQLite file (default: DATABASE_PATH or DATABASE_URL, else the lab's)")
+    parsers["delete"].add_argument("--dry-run", action="store_true", help="say what would be deleted; change nothing")
 
 
 def _add_retention_commands(commands: argparse._SubParsersAction) -> None:
@@ -451,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
     api = commands.add_parser(
         "serve", help="serve the HTTP API and SSE stream (the original's /api/...) over the agent")
     api.add_argument("--host", default="127.0.0.1",
-                     help="interface to listen on (default 127.0.0.1; anything else needs SOPHOS_LAB_TOKEN)")
+                     help="interface to listen on (default 127.0.0.1; anything else needs users or SOPHOS_LAB_TOKEN)")
     api.add_argument("--port", type=int, default=5174, help="port (default 5174; 0 picks a free one)")
     api.add_argument("--lab-child", action="store_true", help=argparse.SUPPRESS)
     reset_parser = commands.add_parser(
@@ -469,6 +567,7 @@ def main(argv: list[str] | None = None) -> None:
     pool.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     pool.add_argument("--concurrency", type=int, default=1, help="runs each worker runs at once (default 1)")
     _add_retention_commands(commands)
+    _add_user_commands(commands)
     copy = commands.add_parser(
         "migrate-to-postgres", help="copy a SQLite lab (conversations, checkpoint history, runs, gates) into PostgreSQL",
         description="Copy everything the SQLite file holds into an empty PostgreSQL database, read every "
@@ -507,6 +606,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(retention(args))
     elif args.command == "migrate-to-postgres":
         sys.exit(migrate_to_postgres(args))
+    elif args.command == "user":
+        sys.exit(user_command(args))
 
 
 if __name__ == "__main__":

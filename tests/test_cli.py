@@ -207,7 +207,7 @@ def test_help_lists_only_commands_that_exist_and_serve_model_port_has_help(capsy
     assert "run notebooks" not in text
     commands = set(re.search(r"\{([\w,-]+)\}", text).group(1).split(","))
     assert commands == {"lab", "doctor", "serve-model", "serve", "reset", "agent-child", "worker", "worker-pool", "delete", "prune", "vacuum",
-                        "migrate-to-postgres"}
+                        "migrate-to-postgres", "user"}
 
     with pytest.raises(SystemExit):
         cli.main(["serve-model", "--help"])

@@ -21,6 +21,7 @@ import os
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import CHROMIUM, CHROMIUM_ARGS, last_bullet, needs_chromium
 
@@ -383,3 +384,34 @@ def only_conversation_of(db_path) -> str:
 
     [conversation] = conversations(db_path)["id"].tolist()
     return conversation
+
+
+def test_on_a_server_with_users_the_page_asks_for_the_token_and_shows_only_that_user_s_conversations(lab, page, db_path):
+    from playwright.sync_api import expect
+
+    ada, bea = lab.add_user("ada", DATABASE_PATH=str(db_path)), lab.add_user("bea", DATABASE_PATH=str(db_path))
+    with lab.server(DATABASE_PATH=str(db_path)) as server:
+        theirs = httpx.post(f"{server.url}/api/chat", json={"message": "Hello from bea"},
+                            headers={"Authorization": f"Bearer {bea}"}).json()["conversation"]
+        with httpx.stream("GET", f"{server.url}/api/chat", params={"conversation": theirs},
+                          headers={"Authorization": f"Bearer {bea}"}, timeout=60) as stream:
+            assert any(line == "event: end" for line in stream.iter_lines())  # bea's run has ended
+        page.goto(f"{server.url}/")
+        dialog = page.locator("#token-dialog")
+        expect(dialog).to_be_visible()
+        expect(page.locator("#token-why")).to_contain_text("This server has users")
+        page.fill("#token-input", "a-wrong-token")
+        page.click("#token-submit")
+        expect(page.locator("#token-why")).to_contain_text("is not this server's")  # asked again, with why
+        page.fill("#token-input", ada)
+        page.click("#token-submit")
+        expect(dialog).to_be_hidden()
+        send(page, "Hello there")
+        answer = page.locator("#transcript .msg.assistant:not(.live)")
+        expect(answer).to_contain_text("Hello! I am the scripted model of sophos_lab.")  # the stream took the token
+        page.reload()  # the tab keeps the token: no dialog
+        expect(answer).to_contain_text("Hello! I am the scripted model of sophos_lab.")
+        expect(dialog).to_be_hidden()
+        listed = page.locator("#conversations li")
+        expect(listed).to_have_count(1)
+        expect(listed).not_to_contain_text("Hello from bea")

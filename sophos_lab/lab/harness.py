@@ -241,6 +241,19 @@ class Lab:
     def settings(self, **overrides: str) -> Settings:
         return Settings.from_env(self.env(**overrides))
 
+    def add_user(self, name: str, **env: str) -> str:
+        """Add a user to this lab's database (or the one `env` names), as `sophos-lab user add
+        NAME` does; its token, to send as `Authorization: Bearer <token>`."""
+        from ..runtime import users
+        from ..runtime.service import open_store
+        from ..runtime.store import utc_now
+
+        store = open_store(self.settings(**env))
+        try:
+            return users.add_user(store, name, utc_now())[1]
+        finally:
+            store.close()
+
     def readiness(self, **overrides: str) -> Readiness:
         """The advisory readiness check (like the original's `readyz`) for these settings."""
         return check_model(self.settings(**overrides))

@@ -29,7 +29,8 @@ from .errors import CONFIG_ERROR, NOT_FOUND, SESSION_IN_PROGRESS, SophosError
 # The kit's tables in an order that keeps every reference valid, each with its columns and the
 # order its rows were written in (SQLite's rowid; PostgreSQL hands out `seq` in that order).
 TABLES = (
-    ("conversations", ("id", "title", "created_at", "updated_at", "message_count"), "rowid"),
+    ("users", ("id", "name", "token_hash", "created_at", "revoked_at"), "rowid"),
+    ("conversations", ("id", "title", "created_at", "updated_at", "message_count", "user_id"), "rowid"),
     ("runs", ("id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at",
               "owner_id", "input", "cancel_requested_at"), "rowid"),
     ("gates", ("id", "conversation_id", "run_id", "calls", "created_at", "decisions", "decided_at",

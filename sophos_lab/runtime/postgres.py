@@ -41,6 +41,7 @@ from psycopg.rows import dict_row, tuple_row
 from .checkpointer import FENCED, Notifying
 from .errors import (CONFIG_ERROR, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, NOT_FOUND,
                      SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, STORAGE_FULL, SophosError)
+from . import users
 from .ownership import Owner, owner_gone
 from .retention import Removal, Vacuum
 from .store import (PAGE_SIZE, RELABELLED, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, ListingPosition,
@@ -172,6 +173,18 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (run_id, id)
     );
     CREATE INDEX run_events_by_conversation ON run_events (conversation_id);
+    """,
+    # v4: users of one server (see `users`), as SQLite's v8.
+    """
+    CREATE TABLE users (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        token_hash TEXT NOT NULL UNIQUE,
+        created_at TEXT NOT NULL,
+        revoked_at TEXT
+    );
+    ALTER TABLE conversations ADD COLUMN user_id TEXT REFERENCES users(id);
+    CREATE INDEX conversations_by_user ON conversations (user_id);
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -502,22 +515,27 @@ class PostgresStore:
     def create_conversation(self, conversation_id: str, first_message: str) -> None:
         now = utc_now()
         with self.transaction() as conn:
-            conn.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES (%s, %s, %s, %s)",
-                         (conversation_id, _title(first_message), now, now))
+            conn.execute("INSERT INTO conversations (id, title, created_at, updated_at, user_id)"
+                         " VALUES (%s, %s, %s, %s, %s)",
+                         (conversation_id, _title(first_message), now, now, users.acting_user.get()))
 
     def get_conversation(self, conversation_id: str) -> Conversation | None:
-        row = self._cursor().execute(_LISTING_SQL + " WHERE c.id = %s", (conversation_id,)).fetchone()
+        """As `Store.get_conversation`: the acting user's only (see `users`)."""
+        where, params = _mine()
+        row = self._cursor().execute(_LISTING_SQL + " WHERE c.id = %s" + where, (conversation_id, *params)).fetchone()
         return Conversation(*row[1:]) if row else None
 
     def list_conversations(self) -> list[Conversation]:
-        rows = self._cursor().execute(_LISTING_SQL + _LISTING_ORDER)
+        where, params = _mine()
+        rows = self._cursor().execute(_LISTING_SQL + " WHERE true" + where + _LISTING_ORDER, params)
         return [Conversation(*row[1:]) for row in rows]
 
     def conversation_page(self, limit: int = PAGE_SIZE, after: ListingPosition | None = None) -> ConversationPage:
         """As `Store.conversation_page`: keyset pages in the listing's order."""
-        sql, params = _LISTING_SQL, ()
+        where, params = _mine()
+        sql = _LISTING_SQL + " WHERE true" + where
         if after is not None:
-            sql, params = sql + " WHERE (c.updated_at, c.seq) < (%s, %s)", (after.updated_at, after.rowid)
+            sql, params = sql + " AND (c.updated_at, c.seq) < (%s, %s)", (*params, after.updated_at, after.rowid)
         rows = self._cursor().execute(sql + _LISTING_ORDER + " LIMIT %s", (*params, limit + 1)).fetchall()
         more, rows = len(rows) > limit, rows[:limit]
         last = ListingPosition(rows[-1][4], rows[-1][0]) if rows else None
@@ -573,8 +591,11 @@ class PostgresStore:
                     idempotency: IdempotencyKey | None, decision: tuple[Gate, dict[str, dict]] | None) -> None:
         now = utc_now()
         if title is not None:
-            conn.execute("INSERT INTO conversations (id, title, created_at, updated_at)"
-                         " VALUES (%s, %s, %s, %s)", (conversation_id, _title(title), now, now))
+            conn.execute("INSERT INTO conversations (id, title, created_at, updated_at, user_id)"
+                         " VALUES (%s, %s, %s, %s, %s)", (conversation_id, _title(title), now, now,
+                                                          users.acting_user.get()))
+        else:
+            users.check_owner(conn, conversation_id)
         conn.execute(
             "INSERT INTO runs (id, conversation_id, status, started_at, owner_id, input)"
             " VALUES (%s, %s, %s, %s, %s, %s)",
@@ -585,7 +606,7 @@ class PostgresStore:
         if idempotency is not None:
             conn.execute("INSERT INTO idempotency_keys (key, request, conversation_id, run_id, created_at)"
                          " VALUES (%s, %s, %s, %s, %s)",
-                         (idempotency.key, idempotency.request, conversation_id, run_id, now))
+                         (users.scoped_key(idempotency.key), idempotency.request, conversation_id, run_id, now))
         if decision is not None:
             gate, decisions = decision
             decided = conn.execute(
@@ -689,7 +710,7 @@ class PostgresStore:
                                       (conversation_id,)).fetchone())
 
     def keyed_run(self, key: str) -> KeyedRun | None:
-        row = self.conn.execute("SELECT * FROM idempotency_keys WHERE key = %s", (key,)).fetchone()
+        row = self.conn.execute("SELECT * FROM idempotency_keys WHERE key = %s", (users.scoped_key(key),)).fetchone()
         return KeyedRun(**row) if row else None
 
     def list_runs(self, conversation_id: str | None = None) -> list[Run]:
@@ -871,6 +892,11 @@ _KEYED_TO_CONVERSATION = (
     ("prunes", "conversation_id"), ("idempotency_keys", "conversation_id"), ("gates", "conversation_id"),
     ("runs", "conversation_id"), ("conversations", "id"),
 )
+
+
+def _mine() -> tuple[str, tuple]:
+    where, params = users.mine()
+    return where.replace("?", "%s"), params
 
 
 # As SQLite's `_LISTING_SQL`: each conversation with its latest run, read off the index on

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import re
+import shutil
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,7 +37,7 @@ from langgraph.errors import GraphDrained
 from langgraph.runtime import RunControl
 from langgraph.types import Command
 
-from . import errors, retention
+from . import errors, retention, users
 from .agent import (
     AGENT_NODES, APPROVE, ATTEMPT_WATCH, CARRIED_DECISIONS, REJECT, AgentParts, AttemptWatch, build_graph, chat_model, check_config, classify_failure,
     read_system_prompt,
@@ -54,7 +55,7 @@ from .settings import Settings
 from .store import (
     PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, Run, Store, decode_cursor, page_size, unapplied_input,
 )
-from .tools import McpTools, approval_rule, mcp_servers
+from .tools import McpTools, approval_rule, mcp_servers, user_memory_path
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +302,7 @@ class AgentService:
     def __init__(self, settings: Settings | None = None, log_dir: Path | None = None) -> None:
         self.settings = settings or Settings.from_env()
         self.store = open_store(self.settings)
-        self.tools = McpTools(self.settings, log_dir=log_dir)
+        self.tools = McpTools(self.settings, log_dir=log_dir, idle_seconds=self.settings.user_tools_idle_seconds)
         self.active: dict[str, ActiveRun] = {}
         self.accepting = True
         self._graph = None
@@ -348,7 +349,11 @@ class AgentService:
         return self.store.conversation_page(limit, after)
 
     def list_runs(self, conversation: str | None = None) -> list[Run]:
-        return self.store.list_runs(None if conversation is None else parse_conversation_id(conversation))
+        if conversation is None:
+            if users.acting_user.get() is not None:
+                raise SophosError(errors.BAD_REQUEST, "A user lists the runs of one conversation of theirs at a time.")
+            return self.store.list_runs(None)
+        return self.store.list_runs(self._owned(conversation))
 
     async def conversation_summary(self, conversation: str) -> Conversation:
         """The conversation's row, once a dead owner's run on it is recovered; no thread read."""
@@ -735,6 +740,13 @@ class AgentService:
             raise SophosError(errors.NOT_FOUND, f"Conversation Not Found: {conversation_id}")
         return summary
 
+    def _owned(self, conversation: object) -> str:
+        """The id, once the acting user is known to own it (`NOT_FOUND` otherwise); with no user
+        acting, only parsed: the retention calls must not open a file before their own checks."""
+        if users.acting_user.get() is None:
+            return parse_conversation_id(conversation)
+        return self._existing(conversation).id
+
     def _recover_before_listing(self) -> None:
         if self._saver is None or not self._saver.lock.locked():
             # No saver on this loop is between its INSERT and its commit, and none can start one
@@ -777,7 +789,7 @@ class AgentService:
         model = chat_model(self.settings)  # once: building a client costs ~20 ms (its TLS context)
         parts = AgentParts(
             model=lambda: model,
-            tools=self.tools.get,
+            tools=lambda: self.tools.get(users.run_owner.get()),
             system_prompt=lambda: read_system_prompt(self.settings),
             approvals=lambda: approval_rule(mcp_servers(self.settings)),
         )
@@ -1004,6 +1016,12 @@ class AgentService:
 
         watch = AttemptWatch(on_retry=retrying)
         ATTEMPT_WATCH.set(watch)  # this task's context, which the graph's tasks inherit
+        # The conversation's owner's own MCP servers serve its tools (a memory of theirs only);
+        # the owner comes from the row, never from the model.
+        owner = users.owner_of(self.store, run.conversation)
+        users.run_owner.set(owner)
+        self.tools.hold(owner)
+        asyncio.current_task().add_done_callback(lambda _: self.tools.release(owner))
         status, error = "completed", None
         run.in_graph = True
         try:
@@ -1126,7 +1144,7 @@ class AgentService:
         Refused with `SESSION_IN_PROGRESS` while a live process runs it. A run whose process is
         gone (a crash) is recovered first, so a crashed conversation can be deleted.
         """
-        conversation_id = parse_conversation_id(conversation)
+        conversation_id = self._owned(conversation)
         self._check_idle(conversation_id)
         if self.settings.database_url:
             return self.store.delete_conversation(conversation_id, self._retention_owner(), dry_run)
@@ -1151,7 +1169,7 @@ class AgentService:
         prune is recorded (`prunes`) and shown by the checkpoint-history view. Refused while a
         live process runs the conversation; `dry_run` says what would go and changes nothing.
         """
-        conversation_id = parse_conversation_id(conversation)
+        conversation_id = self._owned(conversation)
         keep = retention.parse_keep(keep)
         self._check_idle(conversation_id)
         if self.settings.database_url:
@@ -1175,6 +1193,22 @@ class AgentService:
         self._require_file()
         async with shared_lock(self.settings.database_path):
             return retention.vacuum(self.store.conn, self.settings.database_path, self._retention_owner())
+
+    async def delete_user(self, name: str, dry_run: bool = False) -> list[Removal]:
+        """Delete a user with every conversation of theirs (runs, checkpoints, writes, gates,
+        idempotency keys, prunes: each conversation in one transaction, as `delete_conversation`),
+        then the user and the files of their own MCP servers (their memory); what went, a removal per conversation (`dry_run`: what would go,
+        nothing changed). Refused, before anything goes, while a run of theirs is live."""
+        user = users.find_user(self.store, name)
+        conversations = users.user_conversations(self.store, user)
+        removals = [await self.delete_conversation(c, dry_run=True) for c in conversations]  # refusals first
+        if dry_run:
+            return removals
+        removals = [await self.delete_conversation(c) for c in conversations]
+        users.forget_user(self.store, user)
+        await self.tools.stop_user(user.id)
+        shutil.rmtree(user_memory_path(self.settings, user.id).parent, ignore_errors=True)
+        return removals
 
     def conversation_ids(self) -> list[str]:
         """Every conversation id, oldest first (read-only on SQLite; what `prune --all` goes through)."""

@@ -25,6 +25,7 @@ DEFAULT_RETRY_BASE_SECONDS = 1.0
 DEFAULT_RETRY_MAX_SECONDS = 30.0
 DEFAULT_MODEL_TIMEOUT_SECONDS = 600.0
 DEFAULT_TOOL_TIMEOUT_SECONDS = 120.0
+DEFAULT_USER_TOOLS_IDLE_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class Settings:
     """Hard wall-clock cap on one attempt of a model step (the whole streamed answer)."""
     tool_timeout_seconds: float = DEFAULT_TOOL_TIMEOUT_SECONDS
     """Hard wall-clock cap on one attempt of a tools step (all the turn's tool calls)."""
+    user_tools_idle_seconds: float = DEFAULT_USER_TOOLS_IDLE_SECONDS
+    """`SOPHOS_LAB_USER_TOOLS_IDLE_SECONDS`: how long a user's own MCP servers (`"per_user": true`)
+    stay up in a process after that user's last run there ends."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -112,6 +116,8 @@ class Settings:
                 env.get("SOPHOS_LAB_MODEL_TIMEOUT_SECONDS"), DEFAULT_MODEL_TIMEOUT_SECONDS, float),
             tool_timeout_seconds=positive(
                 env.get("SOPHOS_LAB_TOOL_TIMEOUT_SECONDS"), DEFAULT_TOOL_TIMEOUT_SECONDS, float),
+            user_tools_idle_seconds=positive(
+                env.get("SOPHOS_LAB_USER_TOOLS_IDLE_SECONDS"), DEFAULT_USER_TOOLS_IDLE_SECONDS, float),
         )
 
     def with_changes(self, **changes: object) -> Settings:

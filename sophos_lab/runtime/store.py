@@ -35,6 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .errors import BAD_REQUEST, CANCELLED, CONFIG_ERROR, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, STORAGE_FULL, SophosError
+from . import users
 from .ownership import Owner, owner_gone
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,19 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX gates_by_run ON gates (run_id);
     CREATE INDEX gates_by_decided_run ON gates (decided_run_id);
+    """,
+    # v8: users of one server (see `users`): a token's SHA-256, and the user who owns each
+    # conversation (NULL: made with no user acting, the single-user mode).
+    """
+    CREATE TABLE users (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        token_hash TEXT NOT NULL UNIQUE,
+        created_at TEXT NOT NULL,
+        revoked_at TEXT
+    );
+    ALTER TABLE conversations ADD COLUMN user_id TEXT REFERENCES users(id);
+    CREATE INDEX conversations_by_user ON conversations (user_id);
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -726,19 +740,25 @@ class Store:
     def create_conversation(self, conversation_id: str, first_message: str) -> None:
         now = utc_now()
         self._transaction([(
-            "INSERT INTO conversations (id, title, created_at, updated_at) VALUES (?, ?, ?, ?)",
-            (conversation_id, title_from_message(first_message), now, now),
+            "INSERT INTO conversations (id, title, created_at, updated_at, user_id) VALUES (?, ?, ?, ?, ?)",
+            (conversation_id, title_from_message(first_message), now, now, users.acting_user.get()),
         )])
 
     def get_conversation(self, conversation_id: str) -> Conversation | None:
-        row = self.conn.execute(_LISTING_SQL + " WHERE c.id = ?", (conversation_id,)).fetchone()
+        """The conversation, if it is the acting user's (any, when no user acts: see `users`)."""
+        where, params = users.mine()
+        row = self.conn.execute(_LISTING_SQL + " WHERE c.id = ?" + where, (conversation_id, *params)).fetchone()
         return _conversation(row) if row else None
 
     def list_conversations(self) -> list[Conversation]:
-        """Every conversation, most recently updated first (unbounded: see `conversation_page`)."""
+        """Every conversation (the acting user's), most recently updated first (unbounded: see
+        `conversation_page`)."""
         cursor = self.conn.cursor()
         cursor.row_factory = None  # plain tuples: see `_conversations`
-        return _conversations(cursor.execute(_ALL_SQL))
+        where, params = users.mine()
+        if not params:
+            return _conversations(cursor.execute(_ALL_SQL))
+        return _conversations(cursor.execute(_all_sql(" WHERE true" + where), params))
 
     def conversation_page(self, limit: int = PAGE_SIZE, after: ListingPosition | None = None) -> ConversationPage:
         """Up to `limit` conversations after `after` in the listing's order (keyset pagination).
@@ -748,9 +768,10 @@ class Store:
         updated meanwhile (a new run) moves to the top: the walk shows it where it was if it got
         there first, otherwise not at all; the next first page shows it.
         """
-        sql, params = _LISTING_SQL, ()
+        where, params = users.mine()
+        sql = _LISTING_SQL + " WHERE true" + where
         if after is not None:
-            sql, params = sql + _AFTER, (after.updated_at, after.rowid)
+            sql, params = sql + _AFTER, (*params, after.updated_at, after.rowid)
         rows = self.conn.execute(sql + _LISTING_ORDER + " LIMIT ?", (*params, limit + 1)).fetchall()
         more, rows = len(rows) > limit, rows[:limit]
         last = ListingPosition(rows[-1]["updated_at"], rows[-1]["position"]) if rows else None
@@ -786,8 +807,8 @@ class Store:
         statements = []
         if title is not None:
             statements.append((
-                "INSERT INTO conversations (id, title, created_at, updated_at) VALUES (?, ?, ?, ?)",
-                (conversation_id, title_from_message(title), now, now),
+                "INSERT INTO conversations (id, title, created_at, updated_at, user_id) VALUES (?, ?, ?, ?, ?)",
+                (conversation_id, title_from_message(title), now, now, users.acting_user.get()),
             ))
         statements += [
             self._lease_statement(self.owner),
@@ -806,10 +827,12 @@ class Store:
             statements.append((
                 "INSERT INTO idempotency_keys (key, request, conversation_id, run_id, created_at)"
                 " VALUES (?, ?, ?, ?, ?)",
-                (idempotency.key, idempotency.request, conversation_id, run_id, now),
+                (users.scoped_key(idempotency.key), idempotency.request, conversation_id, run_id, now),
             ))
         try:
             with self.transaction() as conn:
+                if title is None:
+                    users.check_owner(conn, conversation_id)
                 for sql, params in statements:
                     conn.execute(sql, params)
                 if decision is not None:
@@ -911,7 +934,7 @@ class Store:
 
     def keyed_run(self, key: str) -> KeyedRun | None:
         """The run an idempotency key started, if it started one."""
-        row = self.conn.execute("SELECT * FROM idempotency_keys WHERE key = ?", (key,)).fetchone()
+        row = self.conn.execute("SELECT * FROM idempotency_keys WHERE key = ?", (users.scoped_key(key),)).fetchone()
         return KeyedRun(**row) if row else None
 
     def list_runs(self, conversation_id: str | None = None) -> list[Run]:
@@ -935,7 +958,7 @@ FROM conversations c
 LEFT JOIN runs r ON r.rowid = (
     SELECT rowid FROM runs WHERE conversation_id = c.id ORDER BY rowid DESC LIMIT 1
 )"""
-_AFTER = " WHERE (c.updated_at, c.rowid) < (?, ?)"
+_AFTER = " AND (c.updated_at, c.rowid) < (?, ?)"
 _LISTING_ORDER = " ORDER BY c.updated_at DESC, c.rowid DESC"
 
 
@@ -949,7 +972,11 @@ _FIELDS = tuple(field.name for field in fields(Conversation))
 # The whole listing: the pages' rows in their order, with Conversation's fields as the columns,
 # by name and in order. SQLite flattens the subquery: the plan is the pages' (the index in its
 # order, one indexed look-up of the latest run per row), without a LIMIT.
-_ALL_SQL = f"SELECT {', '.join(_FIELDS)} FROM ({_LISTING_SQL}) ORDER BY updated_at DESC, position DESC"
+def _all_sql(where: str = "") -> str:
+    return f"SELECT {', '.join(_FIELDS)} FROM ({_LISTING_SQL}{where}) ORDER BY updated_at DESC, position DESC"
+
+
+_ALL_SQL = _all_sql()
 assert not hasattr(Conversation, "__post_init__") and "__slots__" not in vars(Conversation), (
     "_conversations fills a Conversation's __dict__ and runs no __init__ (see there)")
 

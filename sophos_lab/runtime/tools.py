@@ -49,6 +49,9 @@ class ServerConfig:
     url: str | None = None
     approval: bool | tuple[str, ...] = False
     """Which of its tools need approval: all (True), none (False) or these (by their MCP names)."""
+    per_user: bool = False
+    """One server process per user (`"per_user": true`): started for a run of that user's
+    conversation, with `${MEMORY_FILE_PATH}` and `${SOPHOS_LAB_USER}` that user's (see `McpTools`)."""
 
     @property
     def transport(self) -> str:
@@ -74,8 +77,15 @@ class ToolsUnavailable(Exception):
     """Discovery failed: a server did not start, answer or list its tools."""
 
 
-def kit_variables(settings: Settings) -> dict[str, str]:
-    """The `${VAR}` values the kit supplies on top of the environment."""
+def user_memory_path(settings: Settings, user: str) -> Path:
+    """Where a user's per-user memory server keeps its file: `users/<user id>/` beside the
+    shared one (`MEMORY_FILE_PATH`)."""
+    return settings.memory_file_path.parent / "users" / user / settings.memory_file_path.name
+
+
+def kit_variables(settings: Settings, user: str | None = None) -> dict[str, str]:
+    """The `${VAR}` values the kit supplies on top of the environment: for a user's servers
+    (`user`, an id), `MEMORY_FILE_PATH` is that user's file and `SOPHOS_LAB_USER` its id."""
     root = Path(__file__).resolve().parents[2]
     # A venv of its own starts the fetch server in about 1 s instead of 4: the kit's venv
     # makes it import jupyter's jsonschema format checkers. Without one, ours serves.
@@ -83,7 +93,8 @@ def kit_variables(settings: Settings) -> dict[str, str]:
     if not fetch_python.exists():
         fetch_python = Path(sys.executable)
     return {
-        "MEMORY_FILE_PATH": str(settings.memory_file_path),
+        "MEMORY_FILE_PATH": str(settings.memory_file_path if user is None else user_memory_path(settings, user)),
+        "SOPHOS_LAB_USER": user or "",
         "SOPHOS_LAB_PYTHON": sys.executable,
         "SOPHOS_LAB_FETCH_PYTHON": str(fetch_python),
         "SOPHOS_LAB_FETCH_BIN": str(fetch_python.parent),
@@ -111,9 +122,10 @@ def read_config_file(path: Path, what: str) -> str:
         raise SophosError(CONFIG_ERROR, f"{path}: not UTF-8 text ({error})") from None
 
 
-def mcp_servers(settings: Settings) -> list[ServerConfig]:
-    """The servers of `settings`' `mcp.json`, with `${VAR}` from the environment and the kit."""
-    return load_mcp_config(settings.mcp_config_path, {**os.environ, **kit_variables(settings)})
+def mcp_servers(settings: Settings, user: str | None = None) -> list[ServerConfig]:
+    """The servers of `settings`' `mcp.json`, with `${VAR}` from the environment and the kit
+    (a user's values, for `user`)."""
+    return load_mcp_config(settings.mcp_config_path, {**os.environ, **kit_variables(settings, user)})
 
 
 def load_mcp_config(path: Path, variables: Mapping[str, str]) -> list[ServerConfig]:
@@ -179,7 +191,7 @@ def _server_config(path: Path, name: str, entry: dict, variables: Mapping[str, s
 
     if not _SERVER_NAME.fullmatch(name):
         raise bad("names may use letters, digits and '-' only")
-    unknown = set(entry) - {"command", "args", "env", "cwd", "url", "transport", "approval"}
+    unknown = set(entry) - {"command", "args", "env", "cwd", "url", "transport", "approval", "per_user"}
     if unknown:
         raise bad(f"unknown keys {sorted(unknown)}")
     if ("command" in entry) == ("url" in entry):
@@ -189,8 +201,12 @@ def _server_config(path: Path, name: str, entry: dict, variables: Mapping[str, s
         approval = tuple(approval)
     elif not isinstance(approval, bool):
         raise bad("approval must be true, false or a list of the server's tool names")
+    per_user = entry.get("per_user", False)
+    if not isinstance(per_user, bool):
+        raise bad("per_user must be true or false")
     if "url" in entry:
-        return ServerConfig(name=name, url=expand(entry["url"], "url", required=True), approval=approval)
+        return ServerConfig(name=name, url=expand(entry["url"], "url", required=True), approval=approval,
+                            per_user=per_user)
     args = entry.get("args", [])
     env = entry.get("env", {})
     if not isinstance(args, list):
@@ -204,6 +220,7 @@ def _server_config(path: Path, name: str, entry: dict, variables: Mapping[str, s
         env={env_name(key): expand(value, f"env.{key}") for key, value in env.items()},
         cwd=expand(entry["cwd"], "cwd", required=True) if "cwd" in entry else None,
         approval=approval,
+        per_user=per_user,
     )
 
 
@@ -272,16 +289,19 @@ def with_idempotency_key(call: ToolCall, tool: BaseTool | None, thread_id: str) 
     return {**call, "args": {**call["args"], IDEMPOTENCY_KEY: f"{thread_id}:{call['id']}"}}
 
 
-class McpTools:
-    """The process's MCP tools: discovered once, on first need, over persistent sessions.
+class ToolHost:
+    """One set of MCP servers, discovered once on first need, over persistent sessions.
 
     The sessions are entered and left inside one asyncio task (the host), as the MCP client
     requires; tools found there are safe to call from any task on the same loop.
     """
 
-    def __init__(self, settings: Settings, log_dir: Path | None = None) -> None:
-        self.settings = settings
+    def __init__(self, servers: Callable[[], list[ServerConfig]], log_dir: Path | None = None,
+                 log_name: Callable[[str], str] = lambda server: server) -> None:
+        self.servers = servers
+        """Reads the servers from `mcp.json` (again on each discovery)."""
         self.log_dir = log_dir
+        self.log_name = log_name
         self._tools: asyncio.Future[list[BaseTool]] | None = None
         self._stop: asyncio.Event | None = None
         self._host: asyncio.Task | None = None
@@ -305,7 +325,7 @@ class McpTools:
             raise
 
     async def aclose(self) -> None:
-        """Stop the servers this process started."""
+        """Stop the servers this host started."""
         host, stop = self._host, self._stop
         self._tools = self._host = self._stop = None
         if host is not None and stop is not None:
@@ -320,7 +340,7 @@ class McpTools:
         """
         hosts: list[asyncio.Task] = []
         try:
-            servers = mcp_servers(self.settings)
+            servers = self.servers()
             found = [asyncio.get_running_loop().create_future() for _ in servers]
             hosts = [asyncio.create_task(self._serve_one(s, f, stop)) for s, f in zip(servers, found)]
             results = await asyncio.gather(*found)
@@ -360,7 +380,103 @@ class McpTools:
         if self.log_dir is None:
             return contextlib.nullcontext(sys.__stderr__)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        return open(self.log_dir / f"mcp-{server_name}.log", "a", encoding="utf-8")
+        return open(self.log_dir / f"mcp-{self.log_name(server_name)}.log", "a", encoding="utf-8")
+
+
+class McpTools:
+    """The process's MCP tools: the shared servers, and each user's own (`"per_user": true`).
+
+    `get()` gives every tool, one process per server for the life of the process (the
+    single-user mode, and runs on conversations of no user). `get(user)` gives the shared
+    servers' tools and that user's own servers' tools: a per-user server is started for the
+    user on first need, with the user's `${MEMORY_FILE_PATH}` (`user_memory_path`), so one
+    user's memory server never opens another's file, and the model has no say in which
+    (the user is the conversation's owner, not an argument). While a run of the user holds
+    them (`hold`/`release`), they stay; `idle_seconds` after the last run of the user here
+    ends, they stop, and the next run starts them again.
+    """
+
+    def __init__(self, settings: Settings, log_dir: Path | None = None, idle_seconds: float = 300.0) -> None:
+        self.settings = settings
+        self.log_dir = log_dir
+        self.idle_seconds = idle_seconds
+        self._shared = ToolHost(lambda: [s for s in mcp_servers(settings) if not s.per_user], log_dir)
+        self._hosts: dict[str | None, ToolHost] = {}
+        """Per-user servers by user id (None: those servers for no user, at the shared file)."""
+        self._holds: dict[str, int] = {}
+        self._idle: dict[str, asyncio.Task] = {}
+
+    @property
+    def discovered(self) -> bool:
+        return self._shared.discovered
+
+    def running_for(self) -> list[str | None]:
+        """The users whose own servers run in this process now (None: no user's)."""
+        return [user for user, host in self._hosts.items() if host._host is not None]
+
+    async def get(self, user: str | None = None) -> list[BaseTool]:
+        """The tools a run on a conversation of `user` (an id; None: no user) may call; concurrent
+        first callers share one discovery attempt."""
+        host = self._hosts.get(user)
+        if host is None:
+            host = self._hosts[user] = ToolHost(self._user_servers(user), self.log_dir,
+                                                (lambda name: name) if user is None else (lambda name: f"{name}-{user}"))
+        shared, own = await asyncio.gather(self._shared.get(), host.get())
+        return [*shared, *own]
+
+    def _user_servers(self, user: str | None) -> Callable[[], list[ServerConfig]]:
+        def servers() -> list[ServerConfig]:
+            found = [s for s in mcp_servers(self.settings, user) if s.per_user]
+            if user is not None and found:
+                user_memory_path(self.settings, user).parent.mkdir(parents=True, exist_ok=True)
+            return found
+        return servers
+
+    def hold(self, user: str | None) -> None:
+        """A run of `user` begins here: its servers stay up until it `release`s them."""
+        if user is None:
+            return
+        self._holds[user] = self._holds.get(user, 0) + 1
+        idle = self._idle.pop(user, None)
+        if idle is not None:
+            idle.cancel()
+
+    def release(self, user: str | None) -> None:
+        """A run of `user` ended here; the last one starts the idle clock of its servers."""
+        if user is None or user not in self._holds:
+            return
+        self._holds[user] -= 1
+        if self._holds[user] == 0:
+            del self._holds[user]
+            self._idle[user] = asyncio.get_running_loop().create_task(self._stop_when_idle(user))
+
+    async def _stop_when_idle(self, user: str) -> None:
+        await asyncio.sleep(self.idle_seconds)
+        if user not in self._holds:
+            self._idle.pop(user, None)
+            await self.stop_user(user)
+
+    async def idle_stopped(self, user: str) -> None:
+        """Wait until `user`'s idle clock here has run out and its servers are stopped (now, if no
+        clock runs)."""
+        idle = self._idle.get(user)
+        if idle is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(idle)
+
+    async def stop_user(self, user: str) -> None:
+        """Stop `user`'s own servers now (a deleted user's; an idle one's)."""
+        host = self._hosts.pop(user, None)
+        if host is not None:
+            await host.aclose()
+
+    async def aclose(self) -> None:
+        """Stop the servers this process started."""
+        for idle in self._idle.values():
+            idle.cancel()
+        self._idle.clear()
+        hosts, self._hosts = list(self._hosts.values()), {}
+        await asyncio.gather(self._shared.aclose(), *(host.aclose() for host in hosts))
 
 
 def _unavailable(error: BaseException) -> ToolsUnavailable:

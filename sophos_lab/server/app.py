@@ -90,7 +90,7 @@ def create_app(settings: Settings, options: ServerOptions | None = None) -> Star
 
     app = Starlette(
         routes=[*API, ExactRoute("/", web_page, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC))],
-        middleware=[Middleware(BearerToken, token=options.token)] if options.token else [],
+        middleware=[Middleware(BearerToken, token=options.token)],
         exception_handlers={SophosError: _refused, HTTPException: _http_error, Exception: _failed},
         lifespan=lifespan,
     )

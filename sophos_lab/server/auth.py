@@ -1,5 +1,6 @@
-"""The token rule: a server bound to anything but loopback needs `SOPHOS_LAB_TOKEN`, and with a
-token set every API request must carry `Authorization: Bearer <token>`.
+"""The token rule: a server bound to anything but loopback needs `SOPHOS_LAB_TOKEN` or users
+(`sophos-lab user add`), and with either every API request must carry `Authorization: Bearer
+<token>`, which says who it is (see `BearerToken`).
 
 Two exceptions, both for the web page. The page's own files (`/` and `/static/...`) are served
 without the token: they are the package's files, the same for everyone, and hold no data; every
@@ -18,11 +19,14 @@ from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..runtime import users
 from .wire import UNAUTHORIZED, error_response
 
 PAGE_PATHS = re.compile(r"/(static/.*)?")
 """The web page's files: public, with no data in them."""
 STREAM_PATH = "/api/chat"
+PROBE_PATHS = ("/api/healthz", "/api/readyz")
+"""Without a server token, public even with users: they read no data, and open no database."""
 _TOKEN_IN_QUERY = re.compile(r"(?<=[?&])token=[^&]*")
 
 
@@ -37,28 +41,67 @@ def is_loopback(host: str) -> bool:
 
 
 class BearerToken:
-    """ASGI middleware: refuse (401, the error envelope) any HTTP request without the token."""
+    """ASGI middleware: who a request is, or a refusal (401, the error envelope) before the app
+    sees it.
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    - With the server's token (`SOPHOS_LAB_TOKEN`): the instructor, who acts for no user and so
+      sees every conversation.
+    - With a user's token (`sophos-lab user add`): that user (`users.acting_user`, for the
+      request's whole task and the runs it starts); a revoked token is refused.
+    - With no token: allowed only while the server has neither a token nor users (a learner's
+      own laptop, the default).
+    """
+
+    def __init__(self, app: ASGIApp, token: str | None = None) -> None:
         self.app = app
-        self.token = token.encode("utf-8")
-        self.expected = b"Bearer " + self.token
+        self.token = token.encode("utf-8") if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._public(scope):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            in_query = self._query_token(scope)
-            if in_query is not None and not given:
-                allowed, message = secrets.compare_digest(in_query, self.token), "The token in ?token= is not this server's."
-            else:
-                allowed = secrets.compare_digest(given, self.expected)
-                message = ("This server needs its token: send Authorization: Bearer <SOPHOS_LAB_TOKEN>."
-                           if not given else "The token in Authorization is not this server's.")
-            if not allowed:
-                response = error_response(UNAUTHORIZED, message, {"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or self._public(scope):
+            await self.app(scope, receive, send)
+            return
+        user, refusal = self._who(scope)
+        if refusal is not None:
+            response = error_response(UNAUTHORIZED, refusal, {"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        acting = users.acting_user.set(user)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            users.acting_user.reset(acting)
+
+    def _who(self, scope: Scope) -> tuple[str | None, str | None]:
+        """`(user id or None, None)` for a request allowed in, `(None, why not)` otherwise."""
+        header = dict(scope["headers"]).get(b"authorization")
+        in_query = self._query_token(scope)
+        if header is not None:
+            scheme, _, given = header.partition(b" ")
+            if scheme != b"Bearer":
+                return None, "The token in Authorization is not this server's."
+            where = "Authorization"
+        elif in_query is not None:
+            given, where = in_query, "?token="
+        else:
+            given, where = None, ""
+        store = scope["app"].state.service.store
+        if given is None:
+            if self.token is None and scope["path"] in PROBE_PATHS:
+                return None, None  # the probes touch nothing, the database included
+            if users.has_users(store):
+                return None, ("This server has users: send Authorization: Bearer <your token> (the one "
+                              "`sophos-lab user add NAME` printed).")
+            if self.token is None:
+                return None, None  # one user, on loopback: the default
+            return None, "This server needs its token: send Authorization: Bearer <SOPHOS_LAB_TOKEN>."
+        if self.token is not None and secrets.compare_digest(given, self.token):
+            return None, None
+        user = users.user_for_token(store, given.decode("latin-1"))
+        if user is None:
+            return None, f"The token in {where} is not this server's."
+        if user.revoked:
+            return None, f"The token in {where} was revoked (user {user.name!r})."
+        return user.id, None
 
     @staticmethod
     def _public(scope: Scope) -> bool:

@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..runtime import errors
+from ..runtime import errors, users
 from ..runtime.agent import check_model_async
 from ..runtime.errors import SophosError
 from ..runtime.service import AgentService, canonical_request, parse_conversation_id
@@ -148,7 +148,8 @@ async def follow_chat(request: Request) -> Response:
     except SophosError as invalid:
         return stream(sse.single("chat-error", invalid.to_dict()))
     after = sse.last_event_id(request.headers.get("last-event-id"))
-    run = service.active.get(conversation)
+    # A user's stream: the owner check first, so another user's run sends not a byte.
+    run = service.active.get(conversation) if users.acting_user.get() is None else None
     if run is None:
         try:
             await service.conversation_summary(conversation)  # recovers a dead owner's run first

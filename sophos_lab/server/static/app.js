@@ -16,8 +16,10 @@
  *
  * Every model and tool text is written with textContent, never as markup.
  *
- * With a server token, open the page once as /?token=<token>: it keeps the token in
- * sessionStorage (this tab only), takes it out of the address bar, sends it as
+ * A server with users or a server token wants a token on every request. The page asks for it
+ * the first time the server answers 401 (the token dialog, which shows the server's reason: no
+ * token, a wrong one, a revoked one), or takes it from a link as /?token=<token>. It keeps the
+ * token in sessionStorage (this tab only), takes it out of the address bar, sends it as
  * `Authorization: Bearer` on every request and as ?token= on the SSE stream, the one request an
  * EventSource cannot add a header to.
  */
@@ -31,6 +33,7 @@ const ui = {
   error: byId("error-banner"), resumeBanner: byId("resume-banner"), resume: byId("resume"),
   transcript: byId("transcript"), form: byId("composer"), message: byId("message"),
   send: byId("send"), detach: byId("detach"), cancel: byId("cancel"),
+  tokenDialog: byId("token-dialog"), tokenWhy: byId("token-why"), tokenInput: byId("token-input"),
   approvalCard: byId("approval-card"), approvalCalls: byId("approval-calls"),
   rejectReason: byId("reject-reason"), approve: byId("approve"), reject: byId("reject"),
 };
@@ -42,7 +45,8 @@ let source = null;       // the EventSource following its run, while the page fo
 let live = null;         // the assistant bubble the next token goes to
 let approval = null;     // the gate the open conversation waits at ({gate, run, calls}), else null
 
-const token = takeToken();
+let token = takeToken();
+let asking = null;       // the token dialog's answer, while it is open
 
 function takeToken() {
   const url = new URL(location.href);
@@ -64,7 +68,38 @@ class ApiError extends Error {
   }
 }
 
+// The server said 401: show its reason and wait for a token (one dialog for every request that
+// was refused meanwhile).
+function askForToken(why) {
+  if (!asking) {
+    ui.tokenWhy.textContent = why;
+    ui.tokenInput.value = "";
+    ui.tokenDialog.showModal();
+    asking = new Promise((resolve) => {
+      ui.tokenDialog.addEventListener("close", () => {
+        token = ui.tokenInput.value.trim() || null;
+        if (token) sessionStorage.setItem(TOKEN_KEY, token);
+        else sessionStorage.removeItem(TOKEN_KEY);
+        asking = null;
+        resolve();
+      }, { once: true });
+    });
+  }
+  return asking;
+}
+
 async function api(path, init = {}) {
+  for (;;) {
+    try {
+      return await request(path, init);
+    } catch (error) {
+      if (error.code !== "UNAUTHORIZED") throw error;
+      await askForToken(error.message);
+    }
+  }
+}
+
+async function request(path, init) {
   const headers = new Headers(init.headers);
   if (token) headers.set("Authorization", `Bearer ${token}`);
   if (init.body !== undefined) headers.set("Content-Type", "application/json");

@@ -1,0 +1,175 @@
+"""Users of one server: names, tokens (stored hashed) and which conversations are whose.
+
+Without users (the default, a learner's own laptop) there is one user, and nothing here is in
+the way. Once `sophos-lab user add NAME` has made one, the HTTP server wants a user's token on
+every API request, and a request acts for that user only: `acting_user` holds the user's id for
+the request's whole task (and the runs it starts), and the stores' conversation queries answer
+for that user's conversations only. Another user's conversation id is answered exactly as an id
+that does not exist (`NOT_FOUND`, by the same query, so in the same time). The instructor's CLI
+acts for no user, and sees every conversation.
+
+The check that matters for a run is made inside the transaction that starts it
+(`check_owner`): the conversation's row is read there with the user's id, locked until the
+commit on PostgreSQL (SQLite's write transaction holds the whole file), so a deletion of the user
+or the conversation cannot slip in between the check and the run.
+
+A token is 32 random bytes (URL-safe base64), shown once; the database keeps its SHA-256. A
+slow password hash is for secrets people choose; a random token has nothing to guess from, and a
+fast hash keeps each request's lookup an index probe.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import re
+import secrets
+import sqlite3
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from . import errors
+from .errors import SophosError
+
+acting_user: contextvars.ContextVar[str | None] = contextvars.ContextVar("sophos_lab_acting_user", default=None)
+"""The id of the user a request acts for; None: no user (single-user mode, the instructor's CLI)."""
+
+run_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar("sophos_lab_run_owner", default=None)
+"""Inside a run's task: the id of the user who owns its conversation (None: no user), whose own
+MCP servers serve its tools (`tools.McpTools`). Set from the conversation's row."""
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclass(frozen=True)
+class User:
+    id: str
+    name: str
+    created_at: str
+    revoked_at: str | None = None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise SophosError(errors.BAD_REQUEST, (
+            f"Invalid user name: {name!r}. A name is 1 to 64 letters, digits, dots, dashes or "
+            "underscores, starting with a letter or a digit."))
+    return name
+
+
+def _sql(conn: Any, sql: str) -> str:
+    """The kit's SQL here is SQLite's, with `?` placeholders; psycopg's are `%s`."""
+    return sql if isinstance(conn, sqlite3.Connection) else sql.replace("?", "%s")
+
+
+def _user(row: Any) -> User:
+    return User(row["id"], row["name"], row["created_at"], row["revoked_at"])
+
+
+def check_owner(conn: Any, conversation_id: str) -> None:
+    """Inside the transaction that starts a run on an existing conversation: `NOT_FOUND` unless
+    the acting user (if any) owns it; its row stays locked to the commit on PostgreSQL."""
+    user = acting_user.get()
+    if user is None:
+        return
+    lock = "" if isinstance(conn, sqlite3.Connection) else " FOR SHARE"
+    row = conn.execute(_sql(conn, "SELECT 1 FROM conversations WHERE id = ? AND user_id = ?" + lock),
+                       (conversation_id, user)).fetchone()
+    if row is None:
+        raise SophosError(errors.NOT_FOUND, f"Conversation Not Found: {conversation_id}")
+
+
+def mine(alias: str = "c") -> tuple[str, tuple]:
+    """The acting user's filter on conversations, `(" AND <alias>.user_id = ?", (id,))`, or
+    nothing when no user acts."""
+    user = acting_user.get()
+    return ("", ()) if user is None else (f" AND {alias}.user_id = ?", (user,))
+
+
+def owner_of(store: Any, conversation_id: str) -> str | None:
+    """The id of the user who owns the conversation (None: no user, or no such conversation)."""
+    row = store.conn.execute(_sql(store.conn, "SELECT user_id FROM conversations WHERE id = ?"),
+                             (conversation_id,)).fetchone()
+    return None if row is None else row["user_id"]
+
+
+def scoped_key(key: str) -> str:
+    """An idempotency key as stored: each user's keys are their own (two users may send the same)."""
+    user = acting_user.get()
+    return key if user is None else f"{user}/{key}"
+
+
+# the CLI's side: on a store (`Store` or `PostgresStore`), as the instructor
+
+def add_user(store: Any, name: str, now: str) -> tuple[User, str]:
+    """A new user and its token (shown once: only its hash is kept)."""
+    name = check_name(name)
+    token = secrets.token_urlsafe(32)
+    user = User(str(uuid.uuid4()), name, now)
+    with store.transaction() as conn:
+        if conn.execute(_sql(conn, "SELECT 1 FROM users WHERE name = ?"), (name,)).fetchone() is not None:
+            raise SophosError(errors.BAD_REQUEST, f"There is a user {name!r} already; nothing was changed.")
+        conn.execute(_sql(conn, "INSERT INTO users (id, name, token_hash, created_at) VALUES (?, ?, ?, ?)"),
+                     (user.id, name, hash_token(token), now))
+    return user, token
+
+
+def list_users(store: Any) -> list[tuple[User, int]]:
+    """Every user, oldest first, with how many conversations each has."""
+    rows = store.conn.execute(
+        "SELECT u.id, u.name, u.created_at, u.revoked_at, (SELECT count(*) FROM conversations c"
+        " WHERE c.user_id = u.id) AS conversations FROM users u ORDER BY u.created_at, u.name").fetchall()
+    return [(_user(row), row["conversations"]) for row in rows]
+
+
+def find_user(store: Any, name: str) -> User:
+    row = store.conn.execute(_sql(store.conn, "SELECT * FROM users WHERE name = ?"), (check_name(name),)).fetchone()
+    if row is None:
+        raise SophosError(errors.NOT_FOUND, f"No user {name!r}; `sophos-lab user list` shows who there is.")
+    return _user(row)
+
+
+def revoke_user(store: Any, name: str, now: str) -> User:
+    """The user's token stops working at once (its conversations stay; `delete_user` removes them)."""
+    user = find_user(store, name)
+    if not user.revoked:
+        with store.transaction() as conn:
+            conn.execute(_sql(conn, "UPDATE users SET revoked_at = ? WHERE id = ?"), (now, user.id))
+    return find_user(store, name)
+
+
+def user_conversations(store: Any, user: User) -> list[str]:
+    rows = store.conn.execute(_sql(store.conn, "SELECT id FROM conversations WHERE user_id = ? ORDER BY id"),
+                              (user.id,)).fetchall()
+    return [row["id"] for row in rows]
+
+
+def forget_user(store: Any, user: User) -> None:
+    """The user's row, once its conversations are gone (a conversation of theirs left refuses it)."""
+    with store.transaction() as conn:
+        if conn.execute(_sql(conn, "SELECT 1 FROM conversations WHERE user_id = ? LIMIT 1"), (user.id,)).fetchone():
+            raise SophosError(errors.BAD_REQUEST, (
+                f"User {user.name!r} has a conversation again (started while it was deleted?); "
+                "run the delete again."))
+        conn.execute(_sql(conn, "DELETE FROM users WHERE id = ?"), (user.id,))
+
+
+# the server's side
+
+def has_users(store: Any) -> bool:
+    return store.conn.execute("SELECT 1 FROM users LIMIT 1").fetchone() is not None
+
+
+def user_for_token(store: Any, token: str) -> User | None:
+    row = store.conn.execute(_sql(store.conn, "SELECT * FROM users WHERE token_hash = ?"),
+                             (hash_token(token),)).fetchone()
+    return None if row is None else _user(row)
