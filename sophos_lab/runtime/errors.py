@@ -51,6 +51,7 @@ RUN_WAITING = "RUN_WAITING"
 NO_APPROVAL_PENDING = "NO_APPROVAL_PENDING"
 APPROVAL_MISMATCH = "APPROVAL_MISMATCH"
 GATE_DECIDED = "GATE_DECIDED"
+TOO_MANY_RUNS = "TOO_MANY_RUNS"
 
 RECURSION_LIMIT_MESSAGE = "The agent reached its step limit (AGENT_RECURSION_LIMIT) without finishing."
 # What a MODEL_UNAVAILABLE run records: the model, the server and Ollama's own words, e.g.

@@ -345,8 +345,10 @@ class PostgresStore:
     interface and rules, on the database's locks and clock."""
 
     def __init__(self, url: str, lease_seconds: float = 15.0, single_owner: bool = False,
-                 requeue_limit: int = 0) -> None:
+                 requeue_limit: int = 0, limits: users.Limits = users.Limits()) -> None:
         self.url = url
+        self.limits = limits
+        """What one user may have running and queued at once (`users.check_limits`, `queue.claim`)."""
         self.requeue_limit = requeue_limit
         """`SOPHOS_LAB_REQUEUE`: how often a worker's crashed run goes back in the queue (0: never)."""
         self.lease_seconds = lease_seconds
@@ -555,6 +557,7 @@ class PostgresStore:
         self._recover(conversation_id)
         with self._starting(idempotency) as conn:
             self._lease(conn)
+            users.check_limits(conn, "running", self.limits)
             self._insert_run(conn, run_id, conversation_id, "running", self.owner.id, input_messages, title,
                              idempotency, decision)
 
@@ -567,6 +570,7 @@ class PostgresStore:
 
         self._recover(conversation_id)
         with self._starting(idempotency) as conn:
+            users.check_limits(conn, "queued", self.limits)
             self._insert_run(conn, run_id, conversation_id, "queued", None, input_messages, title,
                              idempotency, decision)
             queue.queue_started(conn, run_id, conversation_id, resume)
@@ -618,12 +622,13 @@ class PostgresStore:
                 raise SophosError(GATE_DECIDED, f"The gate {gate.id} was decided already")
 
     def claim_run(self) -> Run | None:
-        """The oldest queued run, now this owner's and `running` (`queue.claim`); None if none."""
+        """The next queued run in fair order, now this owner's and `running` (`queue.claim`);
+        None if none may be claimed."""
         from . import queue
 
         with self.transaction() as conn:
             self._lease(conn)
-            return _run(queue.claim(conn, self.owner.id, utc_now()))
+            return _run(queue.claim(conn, self.owner.id, utc_now(), self.limits.running))
 
     def cancel_remote(self, run_id: str) -> bool:
         """Cancel a run of the queue from any process: a queued one is `cancelled` at once (with

@@ -82,13 +82,35 @@ def queue_started(conn: psycopg.Connection, run_id: str, conversation_id: str, r
                  (QUEUE_CHANNEL, run_id, EVENTS_CHANNEL, f"{run_id} 1"))
 
 
-def claim(conn: psycopg.Connection, owner_id: str, now: str) -> dict | None:
-    """The oldest queued run, now `running` and this owner's; None when none is left. Rows
-    another worker is claiming are skipped, not waited for."""
-    return conn.execute(
-        "UPDATE runs SET status = 'running', owner_id = %s, claimed_at = %s WHERE id = ("
-        " SELECT id FROM runs WHERE status = 'queued' ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED)"
-        " RETURNING *", (owner_id, now)).fetchone()
+def claim(conn: psycopg.Connection, owner_id: str, now: str, max_running: int = 2) -> dict | None:
+    """The next queued run in fair order, now `running` and this owner's; None when none may be
+    claimed. Rows another worker is claiming are skipped, not waited for.
+
+    Fair across users: a queued run's turn is its user's runs running plus those queued ahead of
+    it, then queue order, so users take turns (one user's 50 queued runs put another user's
+    first one behind one of theirs, not all 50); a user with `max_running` runs running waits.
+    Conversations of no user (the single-user mode) are one user with no cap.
+    """
+    return conn.execute(_CLAIM, (max_running, owner_id, now)).fetchone()
+
+
+_CLAIM = """
+WITH active AS (
+    SELECT r.id, r.seq, r.status, c.user_id,
+           count(*) FILTER (WHERE r.status = 'running') OVER (PARTITION BY c.user_id) AS running,
+           row_number() OVER (PARTITION BY c.user_id, r.status ORDER BY r.seq) AS place
+    FROM runs r JOIN conversations c ON c.id = r.conversation_id
+    WHERE r.status IN ('queued', 'running')
+), next AS (
+    SELECT runs.id FROM runs JOIN active ON active.id = runs.id
+    WHERE active.status = 'queued' AND runs.status = 'queued'
+      AND (active.user_id IS NULL OR active.running < %s)
+    ORDER BY active.running + active.place, active.seq
+    LIMIT 1 FOR UPDATE OF runs SKIP LOCKED
+)
+UPDATE runs SET status = 'running', owner_id = %s, claimed_at = %s FROM next WHERE runs.id = next.id
+RETURNING runs.*
+"""
 
 
 def close_events(conn: psycopg.Connection, runs: Iterable[dict]) -> None:

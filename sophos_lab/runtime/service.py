@@ -285,7 +285,8 @@ def open_store(settings: Settings) -> Store:
             "SOPHOS_LAB_RUNS=workers needs DATABASE_URL (a pool of workers shares a PostgreSQL "
             "database) and the kit's ownership (not SOPHOS_LAB_SINGLE_OWNER)."))
     if not settings.database_url:
-        return Store(settings.database_path, lease_seconds=settings.lease_seconds, single_owner=settings.single_owner)
+        return Store(settings.database_path, lease_seconds=settings.lease_seconds, single_owner=settings.single_owner,
+                     limits=settings.user_limits)
     from .postgres import PostgresStore, is_postgres_url
 
     if not is_postgres_url(settings.database_url):
@@ -293,7 +294,7 @@ def open_store(settings: Settings) -> Store:
             "DATABASE_URL must be a postgresql:// (or postgres://) URL; unset it to use the SQLite file "
             "at DATABASE_PATH."))
     return PostgresStore(settings.database_url, lease_seconds=settings.lease_seconds, requeue_limit=settings.requeue_limit,
-                         single_owner=settings.single_owner)
+                         single_owner=settings.single_owner, limits=settings.user_limits)
 
 
 class AgentService:

@@ -26,6 +26,8 @@ DEFAULT_RETRY_MAX_SECONDS = 30.0
 DEFAULT_MODEL_TIMEOUT_SECONDS = 600.0
 DEFAULT_TOOL_TIMEOUT_SECONDS = 120.0
 DEFAULT_USER_TOOLS_IDLE_SECONDS = 300.0
+DEFAULT_USER_MAX_RUNNING = 2
+DEFAULT_USER_MAX_QUEUED = 10
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,12 @@ class Settings:
     user_tools_idle_seconds: float = DEFAULT_USER_TOOLS_IDLE_SECONDS
     """`SOPHOS_LAB_USER_TOOLS_IDLE_SECONDS`: how long a user's own MCP servers (`"per_user": true`)
     stay up in a process after that user's last run there ends."""
+    user_max_running: int = DEFAULT_USER_MAX_RUNNING
+    """`SOPHOS_LAB_USER_MAX_RUNNING`: a user's runs running at once (more are refused with
+    `TOO_MANY_RUNS`, or with workers wait in the queue); users only, not the single-user mode."""
+    user_max_queued: int = DEFAULT_USER_MAX_QUEUED
+    """`SOPHOS_LAB_USER_MAX_QUEUED` (workers): a user's runs waiting in the queue at once; the next
+    is refused with `TOO_MANY_RUNS`."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -118,6 +126,8 @@ class Settings:
                 env.get("SOPHOS_LAB_TOOL_TIMEOUT_SECONDS"), DEFAULT_TOOL_TIMEOUT_SECONDS, float),
             user_tools_idle_seconds=positive(
                 env.get("SOPHOS_LAB_USER_TOOLS_IDLE_SECONDS"), DEFAULT_USER_TOOLS_IDLE_SECONDS, float),
+            user_max_running=positive(env.get("SOPHOS_LAB_USER_MAX_RUNNING"), DEFAULT_USER_MAX_RUNNING, int),
+            user_max_queued=positive(env.get("SOPHOS_LAB_USER_MAX_QUEUED"), DEFAULT_USER_MAX_QUEUED, int),
         )
 
     def with_changes(self, **changes: object) -> Settings:
@@ -128,6 +138,12 @@ class Settings:
         """The wait before retry `retry` (1 for the first): min(base * 2^(retry-1), max), without
         jitter. With base 1 and max 30: 1, 2, 4, 8, 16, 30, 30..."""
         return min(self.retry_base_seconds * 2 ** (retry - 1), self.retry_max_seconds)
+
+    @property
+    def user_limits(self):
+        from .users import Limits
+
+        return Limits(self.user_max_running, self.user_max_queued)
 
     @property
     def on_workers(self) -> bool:

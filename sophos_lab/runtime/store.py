@@ -563,8 +563,11 @@ def recover_interrupted_runs(conn: sqlite3.Connection, path: str | Path | None =
 class Store:
     """Lazy access to the application tables of one database file, as one owner."""
 
-    def __init__(self, path: Path, lease_seconds: float = 15.0, single_owner: bool = False) -> None:
+    def __init__(self, path: Path, lease_seconds: float = 15.0, single_owner: bool = False,
+                 limits: users.Limits = users.Limits()) -> None:
         self.path = Path(path)
+        self.limits = limits
+        """What one user may have running at once (see `users.check_limits`)."""
         self.lease_seconds = lease_seconds
         self.single_owner = single_owner
         self.owner: Owner | None = None
@@ -833,6 +836,7 @@ class Store:
             with self.transaction() as conn:
                 if title is None:
                     users.check_owner(conn, conversation_id)
+                users.check_limits(conn, "running", self.limits)
                 for sql, params in statements:
                     conn.execute(sql, params)
                 if decision is not None:

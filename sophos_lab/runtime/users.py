@@ -95,6 +95,37 @@ def mine(alias: str = "c") -> tuple[str, tuple]:
     return ("", ()) if user is None else (f" AND {alias}.user_id = ?", (user,))
 
 
+@dataclass(frozen=True)
+class Limits:
+    """How many runs one user may have running and queued at once (`Settings.user_limits`)."""
+
+    running: int = 2
+    queued: int = 10
+
+
+def check_limits(conn: Any, status: str, limits: Limits) -> None:
+    """Inside the transaction that starts a run (`status` `running`) or queues one (`queued`):
+    `TOO_MANY_RUNS` if the acting user has as many as their limit already. The user's row is
+    locked first (PostgreSQL; SQLite's write transaction holds the file), so two requests of one
+    user are counted one after the other."""
+    user = acting_user.get()
+    if user is None:
+        return
+    postgres = not isinstance(conn, sqlite3.Connection)
+    conn.execute(_sql(conn, "SELECT 1 FROM users WHERE id = ?" + (" FOR UPDATE" if postgres else "")), (user,))
+    row = conn.execute(_sql(conn, (
+        "SELECT count(*) FILTER (WHERE r.status = 'running') AS running,"
+        " count(*) FILTER (WHERE r.status = 'queued') AS queued"
+        " FROM runs r JOIN conversations c ON c.id = r.conversation_id"
+        " WHERE c.user_id = ? AND r.status IN ('running', 'queued')")), (user,)).fetchone()
+    limit, setting = ((limits.running, "SOPHOS_LAB_USER_MAX_RUNNING") if status == "running"
+                      else (limits.queued, "SOPHOS_LAB_USER_MAX_QUEUED"))
+    if row[status] >= limit:
+        raise SophosError(errors.TOO_MANY_RUNS, (
+            f"You have {row[status]} runs {status} already, the most one user may have at once on this "
+            f"server ({setting}={limit}); wait for one to end, or cancel one. Nothing was stored."))
+
+
 def owner_of(store: Any, conversation_id: str) -> str | None:
     """The id of the user who owns the conversation (None: no user, or no such conversation)."""
     row = store.conn.execute(_sql(store.conn, "SELECT user_id FROM conversations WHERE id = ?"),

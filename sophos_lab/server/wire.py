@@ -37,6 +37,7 @@ STATUS = {
     errors.RUN_WAITING: 409,
     errors.NO_APPROVAL_PENDING: 409,
     errors.GATE_DECIDED: 409,
+    errors.TOO_MANY_RUNS: 429,
     errors.APPROVAL_MISMATCH: 422,
     PAYLOAD_TOO_LARGE: 413,
     errors.IDEMPOTENCY_KEY_REUSED: 422,
