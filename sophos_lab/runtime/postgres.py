@@ -523,18 +523,18 @@ class PostgresStore:
 
     def get_conversation(self, conversation_id: str) -> Conversation | None:
         """As `Store.get_conversation`: the acting user's only (see `users`)."""
-        where, params = _mine()
+        where, params = users.mine(placeholder="%s")
         row = self._cursor().execute(_LISTING_SQL + " WHERE c.id = %s" + where, (conversation_id, *params)).fetchone()
         return Conversation(*row[1:]) if row else None
 
     def list_conversations(self) -> list[Conversation]:
-        where, params = _mine()
+        where, params = users.mine(placeholder="%s")
         rows = self._cursor().execute(_LISTING_SQL + " WHERE true" + where + _LISTING_ORDER, params)
         return [Conversation(*row[1:]) for row in rows]
 
     def conversation_page(self, limit: int = PAGE_SIZE, after: ListingPosition | None = None) -> ConversationPage:
         """As `Store.conversation_page`: keyset pages in the listing's order."""
-        where, params = _mine()
+        where, params = users.mine(placeholder="%s")
         sql = _LISTING_SQL + " WHERE true" + where
         if after is not None:
             sql, params = sql + " AND (c.updated_at, c.seq) < (%s, %s)", (*params, after.updated_at, after.rowid)
@@ -897,11 +897,6 @@ _KEYED_TO_CONVERSATION = (
     ("prunes", "conversation_id"), ("idempotency_keys", "conversation_id"), ("gates", "conversation_id"),
     ("runs", "conversation_id"), ("conversations", "id"),
 )
-
-
-def _mine() -> tuple[str, tuple]:
-    where, params = users.mine()
-    return where.replace("?", "%s"), params
 
 
 # As SQLite's `_LISTING_SQL`: each conversation with its latest run, read off the index on

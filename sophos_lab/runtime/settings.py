@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
+from .users import Limits
+
 T = TypeVar("T", int, float)
 
 DEFAULT_OLLAMA_HOST = "http://localhost:11434"
@@ -140,9 +142,7 @@ class Settings:
         return min(self.retry_base_seconds * 2 ** (retry - 1), self.retry_max_seconds)
 
     @property
-    def user_limits(self):
-        from .users import Limits
-
+    def user_limits(self) -> Limits:
         return Limits(self.user_max_running, self.user_max_queued)
 
     @property

@@ -410,10 +410,6 @@ class McpTools:
     def discovered(self) -> bool:
         return self._shared.discovered
 
-    def running_for(self) -> list[str | None]:
-        """The users whose own servers run in this process now (None: no user's)."""
-        return [user for user, host in self._hosts.items() if host._host is not None]
-
     async def get(self, user: str | None = None) -> list[BaseTool]:
         """The tools a run on a conversation of `user` (an id; None: no user) may call; concurrent
         first callers share one discovery attempt."""
@@ -455,14 +451,6 @@ class McpTools:
         if user not in self._holds:
             self._idle.pop(user, None)
             await self.stop_user(user)
-
-    async def idle_stopped(self, user: str) -> None:
-        """Wait until `user`'s idle clock here has run out and its servers are stopped (now, if no
-        clock runs)."""
-        idle = self._idle.get(user)
-        if idle is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(idle)
 
     async def stop_user(self, user: str) -> None:
         """Stop `user`'s own servers now (a deleted user's; an idle one's)."""

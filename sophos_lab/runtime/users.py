@@ -88,11 +88,11 @@ def check_owner(conn: Any, conversation_id: str) -> None:
         raise SophosError(errors.NOT_FOUND, f"Conversation Not Found: {conversation_id}")
 
 
-def mine(alias: str = "c") -> tuple[str, tuple]:
-    """The acting user's filter on conversations, `(" AND <alias>.user_id = ?", (id,))`, or
-    nothing when no user acts."""
+def mine(alias: str = "c", placeholder: str = "?") -> tuple[str, tuple]:
+    """The acting user's filter on conversations, `(" AND <alias>.user_id = ?", (id,))` (`%s`
+    for psycopg), or nothing when no user acts."""
     user = acting_user.get()
-    return ("", ()) if user is None else (f" AND {alias}.user_id = ?", (user,))
+    return ("", ()) if user is None else (f" AND {alias}.user_id = {placeholder}", (user,))
 
 
 @dataclass(frozen=True)
