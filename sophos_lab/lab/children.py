@@ -325,9 +325,12 @@ class LabWorker(_Child):
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return self.kill()
+        # Its exit can be known before the reading thread has read its last lines.
+        self.log.wait_for(EXITED, timeout=timeout, since=0)
+        return code
 
     def close(self) -> None:
         if self.is_alive():
@@ -511,7 +514,8 @@ class LabKernel(_Child):
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=timeout)
-        threading.Thread(target=self._read, args=(self.km, self.kc, self._stop), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(self.km, self.kc, self._stop), daemon=True)
+        self._reader.start()
         shutil.rmtree(self.request_dir, ignore_errors=True)  # a restarted child takes no old request
         self.execute(_SETUP.format(request_dir=str(self.request_dir)), timeout=timeout)
         return self
@@ -553,6 +557,7 @@ class LabKernel(_Child):
             code = process.wait(timeout)
         except subprocess.TimeoutExpired:
             return self.kill()
+        self._reader.join(timeout)  # it returns once it has read every message the kernel sent
         self._tidy(code)
         return code
 

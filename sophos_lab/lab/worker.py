@@ -39,6 +39,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,23 @@ def emit_line(payload: dict[str, Any]) -> None:
     """Write one event line on stdout (the channel both backends read)."""
     sys.stdout.write(EVENT_PREFIX + json.dumps(payload, default=str) + "\n")
     sys.stdout.flush()
+
+
+def exit_now() -> None:
+    """`os._exit(0)`, once the events written so far have left this process.
+
+    In a kernel child stdout goes over ZeroMQ, and `os._exit` drops what is still queued on the
+    IOPub socket: often the last events, `exited` among them. The kernel app's own `close()`
+    flushes the IOPub thread and ends the ZeroMQ context, which waits for the queue (the socket's
+    linger). It runs in a thread, so that a part of it that hangs cannot keep the process alive.
+    """
+    sys.stdout.flush()
+    kernel_app = sys.modules.get("ipykernel.kernelapp")
+    if kernel_app is not None and kernel_app.IPKernelApp.initialized():
+        closing = threading.Thread(target=kernel_app.IPKernelApp.instance().close, daemon=True)
+        closing.start()
+        closing.join(5.0)
+    os._exit(0)
 
 
 def parse_line(line: str) -> dict[str, Any] | None:
@@ -226,7 +244,7 @@ class ChildRuntime:
             self._announce_shutdown()
             self.service.store.close()
             self.emit({"event": "exited", "data": {"reason": "sigterm"}})
-            os._exit(0)
+            exit_now()
         if not self.service.settings.naive_shutdown:
             self.service.request_drain("sigterm")
         self._loop.call_soon_threadsafe(self._shut_down)
@@ -280,7 +298,7 @@ class ChildRuntime:
     async def _exit(self) -> None:
         await self.service.aclose()
         self.emit({"event": "exited", "data": {"reason": "sigterm"}})
-        os._exit(0)
+        exit_now()
 
 
 async def serve_stdin(runtime: ChildRuntime) -> None:
