@@ -71,7 +71,7 @@ test: setup
 # Every crash matrix, each signal and scenario, the load tests and every lesson against the
 # second Ollama-protocol server (`make test` leaves out those marked full_matrix).
 test-matrix: setup
-	$(BIN)/pytest -p no:nbval -q $(PARALLEL) -m "crash_matrix or full_matrix" tests
+	$(BIN)/pytest -p no:nbval -q $(PARALLEL) -m "crash_matrix or full_matrix" --every-point tests
 
 test-fast: setup
 	$(BIN)/pytest -p no:nbval -q $(PARALLEL) -m "not slow" tests

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sqlite3
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 
 from sophos_lab.runtime.events import Event
+from sophos_lab.lab.forkserver import launcher_command
 from sophos_lab.lab.harness import Lab
 from sophos_lab.runtime.service import AgentService
 
@@ -176,6 +178,44 @@ def pytest_xdist_make_scheduler(config, log):
 
 LAB_ENV = ("SOPHOS_LAB_HOME", "OLLAMA_HOST", "OLLAMA_MODEL", "JUPYTER_PATH", "SOPHOS_LAB_FORKSERVER_SHARED")
 _saved_lab_env: dict[str, str | None] = {}
+
+
+def sophos_lab_cli(*args: str, env: dict[str, str], cwd: Path | None = None,
+                   timeout: float = 120) -> subprocess.CompletedProcess:
+    """`sophos-lab ARGS` in a process of its own, as a user runs it: its stdout, stderr and exit
+    status. The process is forked from the tests' fork server (`launcher_command`), the runtime
+    already imported, instead of a fresh interpreter's 2-3 s of imports per command. `env` is its
+    whole environment (`child_environment(...)`: its `PYTHON*` variables pick the fork server)."""
+    command = launcher_command("sophos_lab.cli", list(args), env)
+    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--every-point", action="store_true",
+        help="the kill and cancel matrices try every point (make test-matrix); without it, the first "
+             "and the last point of each kind (see kill_points)")
+
+
+@pytest.fixture(scope="session")
+def every_point(pytestconfig) -> bool:
+    return pytestconfig.getoption("--every-point")
+
+
+def kill_points(kinds: list[str], every: bool, first: int = 1) -> list[int]:
+    """The points of a matrix to try, numbered from `first`: `kinds[i]` says what point
+    `first + i` is (the event or the commit it follows, step numbers left out).
+
+    Every point with `--every-point` (`make test-matrix`). Otherwise the first point of each
+    kind, and the last point: a later point of a kind already tried runs the same code to the
+    same kind of state, a step further on; the sample is about half of the points."""
+    numbers = list(range(first, first + len(kinds)))
+    if every:
+        return numbers
+    firsts: dict[str, int] = {}
+    for n, kind in zip(numbers, kinds):
+        firsts.setdefault(kind, n)
+    return sorted({*firsts.values(), numbers[-1]})
 
 
 @pytest.hookimpl(trylast=True)

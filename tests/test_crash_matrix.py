@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import re
 import select
 import signal
 import threading
@@ -54,7 +55,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import integrity, transcript
+from conftest import integrity, kill_points, transcript
 
 from sophos_lab.lab.children import EXITED, FATAL_EVENTS, FINAL_EVENTS, ChildFailed, LabWorker, sse_events
 from sophos_lab.runtime.errors import SophosError
@@ -173,6 +174,12 @@ class Reference:
     def points(self) -> int:
         return len(self.events)
 
+    @property
+    def kinds(self) -> list[str]:
+        """What each point follows, step numbers aside: `enter tools`, `token`, `end`..."""
+        return [f"{e['data']['event']} {e['data']['node']}" if e["event"] == "trace" else e["event"]
+                for e in self.events]
+
 
 def repeat_windows(events: list[dict[str, Any]]) -> dict[str, range]:
     """For each tools step: from its `enter` to the first event reporting it finished."""
@@ -236,7 +243,7 @@ def table(mode: str, points: list[Point], reference: Reference) -> str:
     head = (f"{'pt':>3}  {'event':<22} {'disk after ' + mode:<24} {'child wrote':<20} "
             f"{'after recovery':<26} {'next':<9} {'kept':>4} {'min':>3} {'res':>3}  {'fetches':<7} "
             f"{'model':>5}  {'same':<5} s")
-    lines = [f"crash matrix, {mode}: {len(points)} kill points "
+    lines = [f"crash matrix, {mode}: {len(points)} of {reference.points} kill points "
              f"(repeat allowed at points {', '.join(f'{p}: {list(w)}' for p, w in reference.windows.items())})",
              head, "-" * len(head)]
     for p in points:
@@ -467,12 +474,11 @@ async def run_lane(lane: Lane, mode: str, numbers: list[int], reference: Referen
     return points
 
 
-async def run_matrix(lanes: list[Lane], reference: Reference,
+async def run_matrix(lanes: list[Lane], numbers: list[int],
                      lane_points: Callable[[Lane, list[int]], Awaitable[list[Point]]]) -> list[Point]:
-    """Every point of the reference, shared out among the lanes, which run concurrently."""
+    """The points `numbers` of the reference, shared out among the lanes, which run concurrently."""
     loop = asyncio.get_running_loop()
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=4 * len(lanes) + 4))
-    numbers = list(range(1, reference.points + 1))
     per_lane = [numbers[i::len(lanes)] for i in range(len(lanes))]
     results = await asyncio.gather(*(lane_points(lane, mine) for lane, mine in zip(lanes, per_lane) if mine))
     return sorted((p for points in results for p in points), key=lambda p: p.n)
@@ -679,9 +685,9 @@ async def run_server_lane(lane: Lane, numbers: list[int], reference: Reference) 
 # --- the tests ------------------------------------------------------------------------------
 
 
-def assert_every_point(points: list[Point], reference: Reference, report: str) -> None:
+def assert_every_point(points: list[Point], numbers: list[int], report: str) -> None:
     print("\n" + report)
-    assert len(points) == reference.points
+    assert [p.n for p in points] == numbers
     assert not any(p.problems for p in points), report
 
 
@@ -707,41 +713,45 @@ def matrix(request, lab_home):
 @pytest.mark.parametrize(("matrix", "mode"), [("sqlite", "SIGKILL"), pytest.param("sqlite", "SIGTERM", marks=FULL),
                                                   pytest.param("postgres", "SIGKILL", marks=FULL)],
                          indirect=["matrix"])
-def test_a_kill_after_any_event_recovers_to_the_same_transcript(matrix, mode):
+def test_a_kill_after_any_event_recovers_to_the_same_transcript(matrix, mode, every_point):
     lanes, reference = matrix
+    numbers = kill_points(reference.kinds, every_point)
     started = time.monotonic()
     points = asyncio.run(asyncio.wait_for(
-        run_matrix(lanes, reference, lambda lane, mine: run_lane(lane, mode, mine, reference)), MATRIX_TIMEOUT))
+        run_matrix(lanes, numbers, lambda lane, mine: run_lane(lane, mode, mine, reference)), MATRIX_TIMEOUT))
     seconds = time.monotonic() - started
     report = table(mode, points, reference) + (
         f"\n{mode} matrix on {'PostgreSQL' if lanes[0].postgres_url else 'SQLite'}: {seconds:.1f} s for {len(points)} points on {len(lanes)} lanes "
         f"({os.cpu_count()} cores; the reference run took {reference.seconds:.1f} s)")
-    assert_every_point(points, reference, report)
+    assert_every_point(points, numbers, report)
 
 
 @pytest.mark.parametrize("matrix", ["postgres"], indirect=True)
-def test_a_pool_worker_killed_after_any_event_leaves_its_followers_an_end_and_recovers_the_same(matrix):
+def test_a_pool_worker_killed_after_any_event_leaves_its_followers_an_end_and_recovers_the_same(matrix, every_point):
     lanes, reference = matrix
+    numbers = kill_points(reference.kinds, every_point)
     started = time.monotonic()
     points = asyncio.run(asyncio.wait_for(
-        run_matrix(lanes, reference, lambda lane, mine: run_worker_lane(lane, mine, reference)), MATRIX_TIMEOUT))
+        run_matrix(lanes, numbers, lambda lane, mine: run_worker_lane(lane, mine, reference)), MATRIX_TIMEOUT))
     report = table("SIGKILL of a pool worker", points, reference) + (
         f"\n(child wrote: the follower's final event; min: judged by the worker's position, "
         f"{', '.join(f'{p.n}->{p.position}' for p in points if p.position != p.n) or 'always the point'})"
         f"\npool worker matrix: {time.monotonic() - started:.1f} s for {len(points)} points on {len(lanes)} lanes")
-    assert_every_point(points, reference, report)
+    assert_every_point(points, numbers, report)
 
 
 @pytest.mark.parametrize("matrix", ["postgres"], indirect=True)
-def test_a_web_server_killed_after_any_event_leaves_the_run_to_its_worker_and_another_server_gives_the_rest(matrix):
+def test_a_web_server_killed_after_any_event_leaves_the_run_to_its_worker_and_another_server_gives_the_rest(
+        matrix, every_point):
     lanes, reference = matrix
+    numbers = kill_points(reference.kinds, every_point)
     started = time.monotonic()
     points = asyncio.run(asyncio.wait_for(
-        run_matrix(lanes, reference, lambda lane, mine: run_server_lane(lane, mine, reference)), MATRIX_TIMEOUT))
+        run_matrix(lanes, numbers, lambda lane, mine: run_server_lane(lane, mine, reference)), MATRIX_TIMEOUT))
     report = table("SIGKILL of a web server", points, reference) + (
         "\n(disk: the events the client got from server A and then from server B; child wrote: the last one)"
         f"\nweb server matrix: {time.monotonic() - started:.1f} s for {len(points)} points on {len(lanes)} lanes")
-    assert_every_point(points, reference, report)
+    assert_every_point(points, numbers, report)
 
 
 # --- kill points at the commits: where no event marks the moment -----------------------------
@@ -935,13 +945,15 @@ async def run_write_point(lab: Lab, which: str, mode: str, n: int, ref: WriteRef
     return point
 
 
-async def write_matrix(labs: list[Lab], which: str, mode: str, postgres_url: str | None = None) -> list[WritePoint]:
-    """The scenario's points, on a lab per lane (each counts its own fetches and model calls),
-    each lane on a SQLite file, or on a PostgreSQL database of the server at `postgres_url`."""
+async def write_matrix(labs: list[Lab], which: str, mode: str, every: bool,
+                       postgres_url: str | None = None) -> list[WritePoint]:
+    """The scenario's points (all of them if `every`, else a sample: `kill_points`), on a lab per
+    lane (each counts its own fetches and model calls), each lane on a SQLite file, or on a
+    PostgreSQL database of the server at `postgres_url`."""
     scenario = next(s for s in scenarios(labs[0]) if s.name == which)
     ref = await write_reference(labs[0], scenario, f"{mode}-reference", postgres_url)
     first = ref.ends[scenario.kill_from_turn - 1] + 1 if scenario.kill_from_turn else 1
-    numbers = list(range(first, len(ref.writes) + 1))
+    numbers = kill_points([re.sub(r"-?\d+", "N", write) for write in ref.writes[first - 1:]], every, first)
     lanes = [numbers[i::len(labs)] for i in range(len(labs))]
 
     async def point(lab: Lab, n: int, files: dict[str, str], service: Any) -> WritePoint:
@@ -1002,20 +1014,20 @@ def write_labs(lab_home):
 @pytest.mark.parametrize("mode", ["SIGKILL", pytest.param("SIGTERM", marks=FULL)])
 @pytest.mark.parametrize("which", ["fetch-and-summarise", pytest.param("follow-up", marks=FULL),
                                    pytest.param("gated payment", marks=FULL)])
-def test_a_kill_right_after_any_commit_leaves_nothing_stuck_lost_or_run_twice(write_labs, which, mode):
+def test_a_kill_right_after_any_commit_leaves_nothing_stuck_lost_or_run_twice(write_labs, which, mode, every_point):
     labs = write_labs["ledger" if which == "gated payment" else "plain"]
-    points = asyncio.run(asyncio.wait_for(write_matrix(labs, which, mode), MATRIX_TIMEOUT))
+    points = asyncio.run(asyncio.wait_for(write_matrix(labs, which, mode, every_point), MATRIX_TIMEOUT))
     report = write_table(which, mode, points)
     print("\n" + report)
     assert points and not any(p.problems for p in points), report
 
 
-def test_on_postgresql_a_kill_right_after_any_commit_leaves_nothing_stuck_lost_or_run_twice(write_labs, postgres):
+def test_on_postgresql_a_kill_right_after_any_commit_leaves_nothing_stuck_lost_or_run_twice(write_labs, postgres, every_point):
     """The same kill points on PostgreSQL (SIGKILL, the fetch): each of a step's commits there is
     one transaction of LangGraph's Postgres saver, and the window between a task's writes and the
     step's checkpoint is the same."""
     points = asyncio.run(asyncio.wait_for(
-        write_matrix(write_labs["plain"], "fetch-and-summarise", "SIGKILL", postgres.url), MATRIX_TIMEOUT))
+        write_matrix(write_labs["plain"], "fetch-and-summarise", "SIGKILL", every_point, postgres.url), MATRIX_TIMEOUT))
     report = write_table("fetch-and-summarise on PostgreSQL", "SIGKILL", points)
     print("\n" + report)
     assert points and not any(p.problems for p in points), report

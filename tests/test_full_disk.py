@@ -22,11 +22,10 @@ import json
 import os
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import integrity
+from conftest import integrity, sophos_lab_cli
 
 from sophos_lab.lab.children import child_environment
 from sophos_lab.lab.harness import extra_server
@@ -117,8 +116,7 @@ def refused_full(error: SophosError | dict) -> None:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     """`sophos-lab ARGS` in a process of its own."""
-    return subprocess.run([sys.executable, "-m", "sophos_lab.cli", *args], env=child_environment({}),
-                          capture_output=True, text=True, timeout=120)
+    return sophos_lab_cli(*args, env=child_environment({}))
 
 
 def one_line_refusal(done: subprocess.CompletedProcess, command: str) -> None:

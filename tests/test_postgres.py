@@ -18,6 +18,7 @@ import uuid
 
 import psycopg
 import pytest
+from conftest import sophos_lab_cli
 from langgraph.checkpoint.base import empty_checkpoint
 
 from sophos_lab.cli import doctor
@@ -280,10 +281,9 @@ def test_the_cli_copies_a_lab_and_refuses_a_database_that_is_not_empty(lab, db_p
             await agent.aclose()
 
     asyncio.run(one_turn())
-    command = [sys.executable, "-m", "sophos_lab.cli", "migrate-to-postgres", "--database", str(db_path), "--to", url]
-    env = child_environment({})
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
-    again = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    command = ["migrate-to-postgres", "--database", str(db_path), "--to", url]
+    done = sophos_lab_cli(*command, env=child_environment({}))
+    again = sophos_lab_cli(*command, env=child_environment({}))
 
     assert done.returncode == 0, done.stderr
     assert "copied 1 conversations, 1 runs" in done.stdout and "every thread read back the same" in done.stdout

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import sqlite3
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import integrity, roles, statuses
+from conftest import integrity, roles, sophos_lab_cli, statuses
 
+from sophos_lab.lab.children import child_environment
 from sophos_lab.lab import inspect
 from sophos_lab.lab.harness import Lab
 from sophos_lab.lab.inspect import checkpoints
@@ -32,7 +31,6 @@ from sophos_lab.runtime.store import Store
 
 pytestmark = pytest.mark.both_backends
 
-KIT_ROOT = Path(__file__).resolve().parent.parent
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 UNKNOWN = "00000000-0000-4000-8000-000000000000"
 
@@ -566,10 +564,10 @@ def in_env(where) -> dict[str, str]:
 
 def sophos_lab(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """`sophos-lab ARGS` as a child process, with a lab home of its own (never the repository's)."""
-    environment = {k: v for k, v in os.environ.items() if k not in ("DATABASE_PATH", "DATABASE_URL", "MEMORY_FILE_PATH")}
-    environment.update(SOPHOS_LAB_HOME=str(tmp_path / "lab-home"), PYTHONPATH=str(KIT_ROOT), **env)
-    return subprocess.run([sys.executable, "-m", "sophos_lab.cli", *args], env=environment, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    environment = {k: v for k, v in child_environment({}).items()
+                   if k not in ("DATABASE_PATH", "DATABASE_URL", "MEMORY_FILE_PATH")}
+    environment.update(SOPHOS_LAB_HOME=str(tmp_path / "lab-home"), **env)
+    return sophos_lab_cli(*args, env=environment, cwd=tmp_path)
 
 
 @pytest.mark.both_backends(postgres_full_matrix=True)

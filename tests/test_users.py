@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 from urllib.parse import quote
 
 import httpx
 import pytest
-from conftest import BACKENDS, database_env
+from conftest import BACKENDS, database_env, sophos_lab_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -323,12 +321,12 @@ def test_deleting_a_user_removes_their_conversations_memory_and_token_and_nobody
     dave = classroom.user_id("dave")
     settings = classroom.lab.settings(**classroom.database)
     alices = {c["id"] for c in classroom.request("alice", "GET", "/api/conversations").json()["conversations"]}
-    cli = [sys.executable, "-m", "sophos_lab.cli", "user", "delete", "dave"]
+    cli = ["user", "delete", "dave"]
     env = child_environment(classroom.lab.env(**classroom.database))
 
-    dry = subprocess.run([*cli, "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    dry = sophos_lab_cli(*cli, "--dry-run", env=env)
     still = classroom.request("dave", "GET", f"/api/conversations/{daves}")
-    deleted = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    deleted = sophos_lab_cli(*cli, env=env)
     gone = classroom.request("dave", "GET", "/api/conversations")
     everyone = classroom.server.request("GET", f"/api/conversations/{daves}")
 
@@ -341,5 +339,5 @@ def test_deleting_a_user_removes_their_conversations_memory_and_token_and_nobody
     assert everyone.status_code == 404  # the instructor finds nothing either: the rows are gone
     assert not user_memory_path(settings, dave).parent.exists()
     assert {c["id"] for c in classroom.request("alice", "GET", "/api/conversations").json()["conversations"]} == alices
-    again = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    again = sophos_lab_cli(*cli, env=env)
     assert again.returncode == 1 and "No user 'dave'" in again.stderr

@@ -10,9 +10,10 @@ stop runs at exactly those instants: each commit a run makes is observable
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
-from conftest import roles, transcript as plain
+from conftest import kill_points, roles, transcript as plain
 
 from sophos_lab.lab import inspect as views
 from sophos_lab.runtime.errors import RUN_NOT_ACTIVE, SophosError
@@ -64,15 +65,16 @@ async def cancelled_after_commit(agent, message: str, k: int):
     return run, seen[k - 1]
 
 
+@pytest.mark.crash_matrix
 @pytest.mark.both_backends(postgres_full_matrix=True)
 async def test_a_cancel_right_after_any_commit_leaves_the_conversation_answered_or_resumable(
-        lab, open_service, tmp_path, database):
+        lab, open_service, tmp_path, database, every_point):
     message = f"Fetch {lab.page('index.html')}"
     writes, done, (fetches, model_calls) = await reference(lab, open_service, tmp_path, message, database)
     assert [w.kind for w in writes] == ["run", "checkpoint", "writes", "checkpoint", "writes", "checkpoint",
                                         "writes", "checkpoint", "writes", "checkpoint", "outcome"]
     outcomes = []
-    for k in range(1, len(writes) + 1):
+    for k in kill_points(kinds(writes), every_point):
         before = (lab.fetches("index.html"), lab.model_calls())
         async with open_service(**fresh(database, tmp_path, f"point-{k}")) as agent:
             run, write = await cancelled_after_commit(agent, message, k)
@@ -91,22 +93,28 @@ async def test_a_cancel_right_after_any_commit_leaves_the_conversation_answered_
     assert ("writes tools (messages, branch:to:agent)", "cancelled", ("tools",)) in outcomes, outcomes
 
 
-async def stopped_at_each_commit(lab, open_service, tmp_path, message: str):
-    """For each commit of the uninterrupted run but its outcome: a fresh service whose run of
-    `message` was cancelled right after that commit, with what it showed then and the fetches."""
+def kinds(writes) -> list[str]:
+    return [re.sub(r"-?\d+", "N", write.describe()) for write in writes]
+
+
+async def stopped_at_each_commit(lab, open_service, tmp_path, message: str, every: bool):
+    """For each commit of the uninterrupted run but its outcome (or a sample: `kill_points`): a
+    fresh service whose run of `message` was cancelled right after that commit, with what it
+    showed then and the fetches."""
     writes, _, _ = await reference(lab, open_service, tmp_path, message)
-    for k in range(1, len(writes)):
+    for k in kill_points(kinds(writes[:-1]), every):
         async with open_service(DATABASE_PATH=str(tmp_path / f"point-{k}.db")) as agent:
             run, write = await cancelled_after_commit(agent, message, k)
             yield k, agent, run, await agent.get_conversation(run.conversation), lab.fetches("index.html")
 
 
+@pytest.mark.crash_matrix
 async def test_a_new_message_after_a_stop_between_a_steps_writes_and_its_checkpoint_keeps_that_step(
-        lab, open_service, tmp_path):
+        lab, open_service, tmp_path, every_point):
     """LangGraph drops the latest checkpoint's pending writes when a run starts with input; the
     kit checkpoints them first, so what the stopped run did stays, ahead of the new message."""
     message = f"Fetch {lab.page('index.html')}"
-    async for k, agent, run, stopped, fetches in stopped_at_each_commit(lab, open_service, tmp_path, message):
+    async for k, agent, run, stopped, fetches in stopped_at_each_commit(lab, open_service, tmp_path, message, every_point):
         assert (await (await agent.chat("Hello there", run.conversation)).wait()).event == "end"
         final = await agent.get_conversation(run.conversation)
 
@@ -117,13 +125,14 @@ async def test_a_new_message_after_a_stop_between_a_steps_writes_and_its_checkpo
         assert lab.fetches("index.html") == fetches, k  # nothing of the stopped run was repeated
 
 
+@pytest.mark.crash_matrix
 async def test_a_new_message_cancelled_before_it_folds_the_stopped_step_keeps_it_for_the_resume(
-        lab, open_service, tmp_path):
+        lab, open_service, tmp_path, every_point):
     """The step is checkpointed by the run that carries the new input, as its first work: a
     cancel right after that `chat()` stops it before, and the resume (which carries the same
     input) checkpoints it then."""
     message = f"Fetch {lab.page('index.html')}"
-    async for k, agent, run, stopped, fetches in stopped_at_each_commit(lab, open_service, tmp_path, message):
+    async for k, agent, run, stopped, fetches in stopped_at_each_commit(lab, open_service, tmp_path, message, every_point):
         follow_up = await agent.chat("Hello there", run.conversation)
         await agent.cancel(run.conversation)
         await follow_up.wait()

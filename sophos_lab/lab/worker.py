@@ -236,18 +236,18 @@ class ChildRuntime:
         # A Python signal handler may run inside the main thread's own write to stdout (a write
         # interrupted by the signal runs the handlers before it returns): writing an event here
         # would be a reentrant call on that buffered stream, raised into the write it
-        # interrupted. So the handler only sets flags (the drain's, at this very point) and
-        # hands the rest to the loop, as for SIGUSR1; with nothing followed there is no such
-        # write, and the child exits at once.
+        # interrupted. That write may be any event, a reply to `conversations` included, so
+        # the handler only sets flags (the drain's, at this very point) and hands the rest to
+        # the loop, as for SIGUSR1. Before the loop exists nothing of ours writes.
         self.shutdown_requested = True
-        if self._following == 0 or self._loop is None:
-            self._announce_shutdown()
-            self.service.store.close()
-            self.emit({"event": "exited", "data": {"reason": "sigterm"}})
-            exit_now()
-        if not self.service.settings.naive_shutdown:
+        if self._following and not self.service.settings.naive_shutdown:
             self.service.request_drain("sigterm")
-        self._loop.call_soon_threadsafe(self._shut_down)
+        if self._loop is None:
+            self._exit_idle()
+        try:
+            self._loop.call_soon_threadsafe(self._shut_down)
+        except RuntimeError:  # the loop has ended: nothing of ours writes any more
+            self._exit_idle()
 
     def _announce_shutdown(self) -> None:
         self.emit({"event": "shutdown-requested", "data": {
@@ -255,8 +255,17 @@ class ChildRuntime:
             "active_runs": [run.id for run in self.service.active.values()],
         }})
 
+    def _exit_idle(self) -> None:
+        self._announce_shutdown()
+        self.service.store.close()
+        self.emit({"event": "exited", "data": {"reason": "sigterm"}})
+        exit_now()
+
     def _shut_down(self) -> None:
-        """On the loop, after SIGTERM: drain (or, naive, close everything at once)."""
+        """On the loop, after SIGTERM: exit at once with nothing followed; else drain (or,
+        naive, close everything at once)."""
+        if self._following == 0:
+            self._exit_idle()
         self._announce_shutdown()
         naive = self.service.settings.naive_shutdown
         if naive:
