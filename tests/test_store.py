@@ -67,7 +67,7 @@ def test_nothing_is_opened_or_created_before_first_use(db_path):
 def test_first_open_applies_the_migrations_and_records_the_version(store, db_path):
     store.list_conversations()
     assert store.is_open
-    assert SCHEMA_VERSION == 8
+    assert SCHEMA_VERSION == 9
     assert user_version(db_path) == SCHEMA_VERSION
     assert {"conversations", "runs", "owners", "prunes", "idempotency_keys", "gates"} <= tables(db_path)
 

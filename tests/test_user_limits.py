@@ -6,15 +6,18 @@ On the stores themselves (a real SQLite file, a real PostgreSQL database), with 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 
+import psutil
 import pytest
 
 from sophos_lab.runtime import users
-from sophos_lab.runtime.errors import TOO_MANY_RUNS, SophosError
+from sophos_lab.runtime.errors import STEP_BUDGET_SPENT, TOO_MANY_RUNS, SophosError
 from sophos_lab.runtime.service import open_store
 from sophos_lab.runtime.store import utc_now
+from sophos_lab.runtime.tools import user_memory_path
 
 LIMITS = {"SOPHOS_LAB_USER_MAX_RUNNING": "2", "SOPHOS_LAB_USER_MAX_QUEUED": "3"}
 
@@ -96,3 +99,101 @@ def test_a_user_at_their_queued_limit_is_refused_and_workers_claim_in_turns_acro
     assert claimed == [adas[0], beas, adas[1]]
     position = {conversation: i + 1 for i, conversation in enumerate(claimed)}
     print(f"\nclaim order: bea's run (queued 4th) claimed {position[beas]}nd; in queue order it would be 4th")
+
+
+# --- step budgets: per run, and per user and day ---------------------------------------------
+
+
+async def chat_as(agent, user: users.User | None, message: str, conversation: str | None = None):
+    """A run started for `user` (as a request of theirs does), waited for; its final event."""
+    with acting_as(user):
+        run = await agent.chat(message, conversation)
+    return run, await run.wait()
+
+
+async def resume_as(agent, user: users.User, conversation: str):
+    with acting_as(user):
+        run = await agent.resume(conversation)
+    return await run.wait()
+
+
+@pytest.mark.both_backends
+async def test_a_run_that_takes_its_user_s_steps_for_one_run_stops_with_step_budget_spent_and_resumes(
+        lab, open_service):
+    """The fetch takes three graph steps (model, tool, model); a user's runs may take two each."""
+    message = f"Fetch {lab.page('index.html')}"
+    async with open_service(SOPHOS_LAB_USER_MAX_STEPS_PER_RUN="2") as agent:
+        ada = add(agent.store, "ada")
+        run, final = await chat_as(agent, ada, message)
+        stopped = await agent.get_conversation(run.conversation)
+        [row] = agent.list_runs(run.conversation)
+        resumed = await resume_as(agent, ada, run.conversation)
+        done = await agent.get_conversation(run.conversation)
+        _, unbudgeted = await chat_as(agent, None, message)  # no user: AGENT_RECURSION_LIMIT only
+
+    assert (final.event, final.data["code"]) == ("chat-error", STEP_BUDGET_SPENT), final
+    assert "SOPHOS_LAB_USER_MAX_STEPS_PER_RUN=2" in final.data["message"]
+    assert (row.status, row.error_code, row.steps) == ("failed", STEP_BUDGET_SPENT, 2)
+    assert stopped.resumable and stopped.next == ("agent",), stopped.next  # the tool's result is kept
+    assert (resumed.event, resumed.data["status"]) == ("end", "completed")
+    assert [m["role"] for m in done.messages] == ["user", "assistant", "tool", "assistant"]
+    assert (unbudgeted.event, unbudgeted.data["status"]) == ("end", "completed")
+
+
+@pytest.mark.both_backends
+async def test_a_user_whose_runs_took_the_day_s_steps_is_refused_and_nothing_is_stored(lab, open_service):
+    message = f"Fetch {lab.page('index.html')}"
+    async with open_service(SOPHOS_LAB_USER_MAX_STEPS_PER_DAY="4") as agent:
+        ada, bea = add(agent.store, "ada"), add(agent.store, "bea")
+        first, first_final = await chat_as(agent, ada, message)       # 3 steps: 1 left today
+        second, second_final = await chat_as(agent, ada, message)     # given the 1 step left
+        before = (agent.store.list_conversations(), len(agent.store.list_runs()))
+        with pytest.raises(SophosError) as refused:
+            await chat_as(agent, ada, message)
+        with pytest.raises(SophosError) as refused_resume:
+            await resume_as(agent, ada, second.conversation)
+        after = (agent.store.list_conversations(), len(agent.store.list_runs()))
+        _, beas = await chat_as(agent, bea, message)                   # bea's day is her own
+        steps = [r.steps for r in agent.list_runs(first.conversation) + agent.list_runs(second.conversation)]
+
+    assert (first_final.event, first_final.data["status"]) == ("end", "completed")
+    assert (second_final.event, second_final.data["code"]) == ("chat-error", STEP_BUDGET_SPENT)
+    assert "SOPHOS_LAB_USER_MAX_STEPS_PER_DAY=4" in second_final.data["message"]
+    assert steps == [3, 1]
+    assert refused.value.code == refused_resume.value.code == STEP_BUDGET_SPENT
+    assert "taken 4 steps today" in refused.value.message and "Nothing was stored" in refused.value.message
+    assert after == before
+    assert (beas.event, beas.data["status"]) == ("end", "completed")
+
+
+# --- a user's own MCP servers stop when the user is idle --------------------------------------
+
+
+def memory_servers_of(path) -> list[psutil.Process]:
+    """This process's MCP server processes that were started on the memory file `path`."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.environ().get("MEMORY_FILE_PATH") == str(path):
+                found.append(child)
+    return found
+
+
+@pytest.mark.memory_server
+async def test_a_user_s_memory_server_stops_once_idle_and_a_next_run_starts_it_again(lab, open_service):
+    remember = "Remember this: the Sophos lab codename is BLUE-HERON."
+    async with open_service(SOPHOS_LAB_USER_TOOLS_IDLE_SECONDS="0.5") as agent:
+        ada = add(agent.store, "ada")
+        path = user_memory_path(agent.settings, ada.id)
+        _, first = await chat_as(agent, ada, remember)
+        servers = memory_servers_of(path)
+        _, alive = await asyncio.to_thread(psutil.wait_procs, servers, 30)  # the barrier: their exit
+        run, again = await chat_as(agent, ada, remember)
+        restarted = memory_servers_of(path)
+        recalled = await agent.get_conversation(run.conversation)
+
+    assert first.event == again.event == "end"
+    assert servers and not alive, alive
+    assert restarted and not {p.pid for p in restarted} & {p.pid for p in servers}
+    assert "BLUE-HERON" in path.read_text()
+    assert any(m["role"] == "tool" for m in recalled.messages)

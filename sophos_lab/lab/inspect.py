@@ -28,7 +28,7 @@ from ..runtime.store import has_table, read_only, unapplied_input
 
 RUN_COLUMNS = [
     "id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at",
-    "owner_id", "input", "cancel_requested_at",
+    "owner_id", "input", "cancel_requested_at", "steps",
 ]
 CONVERSATION_COLUMNS = ["id", "title", "created_at", "updated_at", "message_count"]
 CHECKPOINT_COLUMNS = [

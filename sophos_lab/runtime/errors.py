@@ -20,7 +20,10 @@ decision that does not fit the gate (an unknown or missing tool call id, argumen
 changed, a decision that is neither approve nor reject), and `GATE_DECIDED` a decision that
 differs from the one a gate already has. `REPLAY_GONE`: a follower
 asked to replay events that the run's bounded buffer no longer keeps (reload the conversation
-and follow again from the events still kept).
+and follow again from the events still kept). Users of one server: `TOO_MANY_RUNS` refuses a run
+beyond a user's running or queued limit, and `STEP_BUDGET_SPENT` both refuses a run of a user
+whose runs have taken their day's steps and ends a run that used the steps its user had left
+(resumable, like `RECURSION_LIMIT`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ NO_APPROVAL_PENDING = "NO_APPROVAL_PENDING"
 APPROVAL_MISMATCH = "APPROVAL_MISMATCH"
 GATE_DECIDED = "GATE_DECIDED"
 TOO_MANY_RUNS = "TOO_MANY_RUNS"
+STEP_BUDGET_SPENT = "STEP_BUDGET_SPENT"
 
 RECURSION_LIMIT_MESSAGE = "The agent reached its step limit (AGENT_RECURSION_LIMIT) without finishing."
 # What a MODEL_UNAVAILABLE run records: the model, the server and Ollama's own words, e.g.

@@ -61,6 +61,9 @@ class StreamTranslator:
     """The interrupts a step stopped at (`{"id", "value"}`): the run is waiting at a gate."""
     waiting_step: dict[str, Any] | None = None
     """`{step, node, name}` of the step that stopped at the gate."""
+    steps_entered: int = 0
+    """The graph steps (model or tools) the run entered, as LangGraph's recursion limit counts
+    them: what a user's step budget is spent in."""
     _open: dict[str, Any] | None = field(default=None)
     _latest_messages: list[Any] | None = field(default=None)
 
@@ -117,6 +120,7 @@ class StreamTranslator:
             calls = (getattr(messages[-1], "tool_calls", None) or []) if messages else []
             name = ", ".join(call["name"] for call in calls)
         out = self.finish()
+        self.steps_entered += 1
         self._open = {"step": step, "node": node, "name": name}
         return out + [("trace", {**self._open, "event": "enter"}, None)]
 

@@ -32,7 +32,7 @@ TABLES = (
     ("users", ("id", "name", "token_hash", "created_at", "revoked_at"), "rowid"),
     ("conversations", ("id", "title", "created_at", "updated_at", "message_count", "user_id"), "rowid"),
     ("runs", ("id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at",
-              "owner_id", "input", "cancel_requested_at"), "rowid"),
+              "owner_id", "input", "cancel_requested_at", "steps"), "rowid"),
     ("gates", ("id", "conversation_id", "run_id", "calls", "created_at", "decisions", "decided_at",
                "decided_run_id"), "rowid"),
     ("idempotency_keys", ("key", "request", "conversation_id", "run_id", "created_at"), "rowid"),

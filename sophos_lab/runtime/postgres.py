@@ -186,6 +186,10 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE conversations ADD COLUMN user_id TEXT REFERENCES users(id);
     CREATE INDEX conversations_by_user ON conversations (user_id);
     """,
+    # v5: the graph steps each run took, as SQLite's v9.
+    """
+    ALTER TABLE runs ADD COLUMN steps INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -557,7 +561,7 @@ class PostgresStore:
         self._recover(conversation_id)
         with self._starting(idempotency) as conn:
             self._lease(conn)
-            users.check_limits(conn, "running", self.limits)
+            users.check_limits(conn, "running", self.limits, utc_now())
             self._insert_run(conn, run_id, conversation_id, "running", self.owner.id, input_messages, title,
                              idempotency, decision)
 
@@ -570,7 +574,7 @@ class PostgresStore:
 
         self._recover(conversation_id)
         with self._starting(idempotency) as conn:
-            users.check_limits(conn, "queued", self.limits)
+            users.check_limits(conn, "queued", self.limits, utc_now())
             self._insert_run(conn, run_id, conversation_id, "queued", None, input_messages, title,
                              idempotency, decision)
             queue.queue_started(conn, run_id, conversation_id, resume)
@@ -668,7 +672,7 @@ class PostgresStore:
         return queue.event_span(self.conn, run_id)
 
     def finish_run(self, run_id: str, status: str, message_count: int | None, error_code: str | None = None,
-                   error_message: str | None = None, gate: Gate | None = None) -> bool:
+                   error_message: str | None = None, gate: Gate | None = None, steps: int = 0) -> bool:
         now = utc_now()
         mine, params = ("", ()) if self.single_owner else (" AND status = 'running' AND owner_id = %s", (self.owner.id,))
         # A cancel another process recorded first (a worker's run) wins over any other outcome:
@@ -676,8 +680,8 @@ class PostgresStore:
         mine += " AND (cancel_requested_at IS NULL OR %s = 'cancelled')"
         with self.transaction() as conn:
             updated = conn.execute(
-                "UPDATE runs SET status = %s, error_code = %s, error_message = %s, finished_at = %s"
-                " WHERE id = %s" + mine, (status, error_code, error_message, now, run_id, *params, status)).rowcount
+                "UPDATE runs SET status = %s, error_code = %s, error_message = %s, finished_at = %s, steps = %s"
+                " WHERE id = %s" + mine, (status, error_code, error_message, now, steps, run_id, *params, status)).rowcount
             if updated and message_count is not None:
                 conn.execute("UPDATE conversations SET message_count = %s, updated_at = %s"
                              " WHERE id = (SELECT conversation_id FROM runs WHERE id = %s)", (message_count, now, run_id))

@@ -54,6 +54,7 @@ from .retention import Removal, Vacuum
 from .settings import Settings
 from .store import (
     PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, Run, Store, decode_cursor, page_size, unapplied_input,
+    utc_now,
 )
 from .tools import McpTools, approval_rule, mcp_servers, user_memory_path
 
@@ -1021,6 +1022,9 @@ class AgentService:
         # the owner comes from the row, never from the model.
         owner = users.owner_of(self.store, run.conversation)
         users.run_owner.set(owner)
+        budget = users.step_budget(self.store.conn, owner, self.settings.user_limits,
+                                   self.settings.recursion_limit, utc_now())
+        config["recursion_limit"] = budget.steps
         self.tools.hold(owner)
         asyncio.current_task().add_done_callback(lambda _: self.tools.release(owner))
         status, error = "completed", None
@@ -1040,10 +1044,13 @@ class AgentService:
             status, error = "interrupted", (errors.SHUTDOWN, errors.SHUTDOWN_MESSAGE)
         except Exception as exc:
             status, error = "failed", classify_failure(exc, watch.gave_up, self.settings)
+            if error[0] == errors.RECURSION_LIMIT and budget.setting:
+                error = errors.STEP_BUDGET_SPENT, users.step_budget_message(budget, self.settings.user_limits)
             run.lost = run.lost or is_fenced(exc)
         finally:
             run.in_graph = False
             self._saver.listeners.pop(run.conversation, None)
+        steps = translator.steps_entered
         for item in translator.finish():
             gate.offer(*item)
         stopped_at = None  # the approval gate the run stopped at
@@ -1060,12 +1067,13 @@ class AgentService:
                 nonlocal status, error, stopped_at
                 if run.cancel_requested:  # written before this, under the same lock: it wins
                     status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
-                recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at)
+                recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at,
+                                                 steps=steps)
                 if not recorded and not run.cancel_requested and self.store.cancel_requested(run.id):
                     # Another process recorded a cancel of this worker's run before this outcome.
                     run.cancel_requested = True
                     status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
-                    recorded = self.store.finish_run(run.id, status, count, *error, gate=None)
+                    recorded = self.store.finish_run(run.id, status, count, *error, gate=None, steps=steps)
                 run.recorded = True
                 if recorded:
                     self._observe(DurableWrite("outcome", run.conversation, status=status))

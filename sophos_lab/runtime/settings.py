@@ -30,6 +30,8 @@ DEFAULT_TOOL_TIMEOUT_SECONDS = 120.0
 DEFAULT_USER_TOOLS_IDLE_SECONDS = 300.0
 DEFAULT_USER_MAX_RUNNING = 2
 DEFAULT_USER_MAX_QUEUED = 10
+DEFAULT_USER_MAX_STEPS_PER_RUN = DEFAULT_RECURSION_LIMIT
+DEFAULT_USER_MAX_STEPS_PER_DAY = 1000
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,13 @@ class Settings:
     user_max_queued: int = DEFAULT_USER_MAX_QUEUED
     """`SOPHOS_LAB_USER_MAX_QUEUED` (workers): a user's runs waiting in the queue at once; the next
     is refused with `TOO_MANY_RUNS`."""
+    user_max_steps_per_run: int = DEFAULT_USER_MAX_STEPS_PER_RUN
+    """`SOPHOS_LAB_USER_MAX_STEPS_PER_RUN`: the graph steps one run of a user may take; below
+    `AGENT_RECURSION_LIMIT` it ends such a run with `STEP_BUDGET_SPENT` (resumable)."""
+    user_max_steps_per_day: int = DEFAULT_USER_MAX_STEPS_PER_DAY
+    """`SOPHOS_LAB_USER_MAX_STEPS_PER_DAY`: the graph steps a user's runs may take in one UTC
+    day; a run gets at most what is left as it starts, and once none is left a new run is refused
+    with `STEP_BUDGET_SPENT`."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -130,6 +139,10 @@ class Settings:
                 env.get("SOPHOS_LAB_USER_TOOLS_IDLE_SECONDS"), DEFAULT_USER_TOOLS_IDLE_SECONDS, float),
             user_max_running=positive(env.get("SOPHOS_LAB_USER_MAX_RUNNING"), DEFAULT_USER_MAX_RUNNING, int),
             user_max_queued=positive(env.get("SOPHOS_LAB_USER_MAX_QUEUED"), DEFAULT_USER_MAX_QUEUED, int),
+            user_max_steps_per_run=positive(
+                env.get("SOPHOS_LAB_USER_MAX_STEPS_PER_RUN"), DEFAULT_USER_MAX_STEPS_PER_RUN, int),
+            user_max_steps_per_day=positive(
+                env.get("SOPHOS_LAB_USER_MAX_STEPS_PER_DAY"), DEFAULT_USER_MAX_STEPS_PER_DAY, int),
         )
 
     def with_changes(self, **changes: object) -> Settings:
@@ -143,7 +156,8 @@ class Settings:
 
     @property
     def user_limits(self) -> Limits:
-        return Limits(self.user_max_running, self.user_max_queued)
+        return Limits(self.user_max_running, self.user_max_queued,
+                      self.user_max_steps_per_run, self.user_max_steps_per_day)
 
     @property
     def on_workers(self) -> bool:

@@ -187,6 +187,11 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE conversations ADD COLUMN user_id TEXT REFERENCES users(id);
     CREATE INDEX conversations_by_user ON conversations (user_id);
     """,
+    # v9: the graph steps each run took, written with its outcome: a user's day's step budget
+    # sums them (`users.step_budget`).
+    """
+    ALTER TABLE runs ADD COLUMN steps INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 BUSY_TIMEOUT_MS = 5000
@@ -289,6 +294,9 @@ class Run:
     """PostgreSQL with workers: when a worker took the `queued` run (None: run where accepted)."""
     requeues: int = 0
     """PostgreSQL with workers: how often a crash put the run back in the queue (`RUN_REQUEUES`)."""
+    steps: int = 0
+    """The graph steps the run took, recorded with its outcome (0 until then, and for a run a
+    crash ended: its process was gone before it could record them)."""
 
 
 @dataclass(frozen=True)
@@ -836,7 +844,7 @@ class Store:
             with self.transaction() as conn:
                 if title is None:
                     users.check_owner(conn, conversation_id)
-                users.check_limits(conn, "running", self.limits)
+                users.check_limits(conn, "running", self.limits, now)
                 for sql, params in statements:
                     conn.execute(sql, params)
                 if decision is not None:
@@ -864,9 +872,10 @@ class Store:
         error_code: str | None = None,
         error_message: str | None = None,
         gate: Gate | None = None,
+        steps: int = 0,
     ) -> bool:
-        """Record a run's outcome and the conversation's message count, in one transaction;
-        with `gate` (a `waiting` run), the gate it stopped at, in the same one.
+        """Record a run's outcome, the graph steps it took and the conversation's message count,
+        in one transaction; with `gate` (a `waiting` run), the gate it stopped at, in the same one.
 
         Only while the run is still this owner's and `running`: returns False, writing nothing,
         when another process has taken it over (fencing).
@@ -875,9 +884,9 @@ class Store:
         mine = "" if self.single_owner else " AND status = 'running' AND owner_id = ?"
         with self.transaction() as conn:
             updated = conn.execute(
-                "UPDATE runs SET status = ?, error_code = ?, error_message = ?, finished_at = ?"
+                "UPDATE runs SET status = ?, error_code = ?, error_message = ?, finished_at = ?, steps = ?"
                 " WHERE id = ?" + mine,
-                (status, error_code, error_message, now, run_id,
+                (status, error_code, error_message, now, steps, run_id,
                  *(() if self.single_owner else (self.owner.id,))),
             ).rowcount
             if updated and message_count is not None:

@@ -97,17 +97,67 @@ def mine(alias: str = "c", placeholder: str = "?") -> tuple[str, tuple]:
 
 @dataclass(frozen=True)
 class Limits:
-    """How many runs one user may have running and queued at once (`Settings.user_limits`)."""
+    """What one user may have at once and spend (`Settings.user_limits`): runs running and
+    queued, and graph steps per run and per UTC day."""
 
     running: int = 2
     queued: int = 10
+    steps_per_run: int = 25
+    steps_per_day: int = 1000
 
 
-def check_limits(conn: Any, status: str, limits: Limits) -> None:
+def day_start(now: str) -> str:
+    """The start of the UTC day of `now` (a `utc_now()` string), in the same format, so that a
+    run's `started_at` compares with it as text."""
+    return now[:10] + "T00:00:00.000000+00:00"
+
+
+def steps_today(conn: Any, user: str, now: str) -> int:
+    """The graph steps the user's runs started today (UTC) have recorded (`runs.steps`, written
+    with each run's outcome)."""
+    row = conn.execute(_sql(conn, (
+        "SELECT coalesce(sum(r.steps), 0) AS steps FROM runs r JOIN conversations c ON c.id = r.conversation_id"
+        " WHERE c.user_id = ? AND r.started_at >= ?")), (user, day_start(now))).fetchone()
+    return int(row["steps"])
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """The most steps a run may take, and, when a user's budget is what holds it there, which
+    setting (`STEP_BUDGET_SPENT` then names it; otherwise `AGENT_RECURSION_LIMIT` holds it)."""
+
+    steps: int
+    setting: str | None = None
+
+
+def step_budget(conn: Any, user: str | None, limits: Limits, recursion_limit: int, now: str) -> StepBudget:
+    """A run's step budget, counted as it starts: the recursion limit, or less for a user (their
+    per-run budget, and what is left of their day's). Runs running side by side are each given
+    what was left when they started, so a day's budget can be exceeded by the runs then in
+    flight (at most `SOPHOS_LAB_USER_MAX_RUNNING` of them)."""
+    budget = StepBudget(recursion_limit)
+    if user is None:
+        return budget
+    if limits.steps_per_run < budget.steps:
+        budget = StepBudget(limits.steps_per_run, "SOPHOS_LAB_USER_MAX_STEPS_PER_RUN")
+    left = limits.steps_per_day - steps_today(conn, user, now)
+    if left < budget.steps:
+        budget = StepBudget(max(left, 1), "SOPHOS_LAB_USER_MAX_STEPS_PER_DAY")
+    return budget
+
+
+def step_budget_message(budget: StepBudget, limits: Limits) -> str:
+    limit = limits.steps_per_run if budget.setting == "SOPHOS_LAB_USER_MAX_STEPS_PER_RUN" else limits.steps_per_day
+    return (f"The run used the {budget.steps} steps its user had left ({budget.setting}={limit}) without "
+            "finishing; its progress is saved, and a resume carries on once the budget allows.")
+
+
+def check_limits(conn: Any, status: str, limits: Limits, now: str) -> None:
     """Inside the transaction that starts a run (`status` `running`) or queues one (`queued`):
-    `TOO_MANY_RUNS` if the acting user has as many as their limit already. The user's row is
-    locked first (PostgreSQL; SQLite's write transaction holds the file), so two requests of one
-    user are counted one after the other."""
+    `TOO_MANY_RUNS` if the acting user has as many as their limit already, `STEP_BUDGET_SPENT`
+    if their runs have taken their day's steps. The user's row is locked first (PostgreSQL;
+    SQLite's write transaction holds the file), so two requests of one user are counted one
+    after the other."""
     user = acting_user.get()
     if user is None:
         return
@@ -124,6 +174,12 @@ def check_limits(conn: Any, status: str, limits: Limits) -> None:
         raise SophosError(errors.TOO_MANY_RUNS, (
             f"You have {row[status]} runs {status} already, the most one user may have at once on this "
             f"server ({setting}={limit}); wait for one to end, or cancel one. Nothing was stored."))
+    spent = steps_today(conn, user, now)
+    if spent >= limits.steps_per_day:
+        raise SophosError(errors.STEP_BUDGET_SPENT, (
+            f"Your runs have taken {spent} steps today, this server's budget for one user "
+            f"(SOPHOS_LAB_USER_MAX_STEPS_PER_DAY={limits.steps_per_day}); it starts again at 00:00 UTC. "
+            "Nothing was stored."))
 
 
 def owner_of(store: Any, conversation_id: str) -> str | None:
