@@ -399,9 +399,18 @@ def database(request, backend, db_path) -> dict[str, str]:
 
 
 @pytest.fixture
-def config_dir(lab, tmp_path):
-    """This test's own copy of the lab's configuration, free to edit."""
-    return shutil.copytree(lab.config_dir, tmp_path / "config")
+def config_dir(request, lab, tmp_path):
+    """This test's own copy of the lab's configuration, free to edit. Without the memory server
+    unless the test is marked `memory_server`: a test's service starts each MCP server of its
+    config, and the memory server (node) costs half a CPU-second a start, for the many tests
+    whose runs never call it."""
+    copy = shutil.copytree(lab.config_dir, tmp_path / "config")
+    if request.node.get_closest_marker("memory_server") is None:
+        mcp = copy / "mcp.json"
+        servers = json.loads(mcp.read_text(encoding="utf-8"))
+        servers.pop("memory", None)
+        mcp.write_text(json.dumps(servers, indent=2), encoding="utf-8")
+    return copy
 
 
 @pytest.fixture

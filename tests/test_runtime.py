@@ -108,6 +108,7 @@ async def test_the_system_prompt_is_read_on_every_call_and_never_stored(open_ser
 # --- tools ---------------------------------------------------------------------------------
 
 
+@pytest.mark.memory_server
 async def test_a_tool_error_is_data_for_the_model_and_the_run_completes(open_service):
     async with open_service() as agent:
         end = await agent.ask(MISSING_ENTITY)

@@ -19,6 +19,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from conftest import BACKENDS, database_env
@@ -362,6 +363,20 @@ def test_a_server_off_loopback_without_a_token_refuses_to_start(tmp_path):
     assert "refusing to listen on 0.0.0.0 without a token" in refused.stderr
     assert "SOPHOS_LAB_TOKEN" in refused.stderr
     assert not (tmp_path / "default").exists()  # it opened nothing
+
+
+def test_a_server_with_users_listens_beyond_loopback_and_answers_only_a_user_s_token(lab, db_path):
+    token = lab.add_user("ada", DATABASE_PATH=str(db_path))
+    with lab.server(host="0.0.0.0", DATABASE_PATH=str(db_path)) as server:
+        listening = [c.laddr for c in psutil.Process(server.pid).net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN]
+        port = server.port
+        anonymous = httpx.get(f"http://127.0.0.1:{port}/api/conversations")
+        ada = httpx.get(f"http://127.0.0.1:{port}/api/conversations", headers={"Authorization": f"Bearer {token}"})
+
+    assert [(address.ip, address.port) for address in listening] == [("0.0.0.0", port)]
+    assert anonymous.status_code == 401
+    assert (ada.status_code, ada.json()) == (200, {"conversations": []})
 
 
 def test_with_a_token_every_request_must_carry_it(lab, db_path):

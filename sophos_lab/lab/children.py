@@ -680,10 +680,15 @@ class LabServer(LabWorker):
     The server exits when this process goes (its stdin closes).
     """
 
-    def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path, port: int = 0) -> None:
+    def __init__(self, env: Mapping[str, str], cwd: Path, log_path: Path, port: int = 0,
+                 host: str = "127.0.0.1", fork: bool = False) -> None:
         super().__init__(env, cwd, log_path)
         self.url: str | None = None
         self.requested_port = port
+        self.host = host
+        self.fork = fork
+        """Forked from the fork server (a test lab's, `Lab.setup(fork_servers=True)`), instead of
+        a fresh `sophos-lab serve`: its imports cost about 3 CPU-s a start."""
         token = self.env.get("SOPHOS_LAB_TOKEN")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
@@ -695,12 +700,12 @@ class LabServer(LabWorker):
 
     def start(self, timeout: float = 60.0) -> LabServer:
         self.log = EventLog()
-        # Not forked: a server is what a user starts by hand, and lessons 01 and 04 read its
-        # process (its parent, its command line) as `sophos-lab serve`'s own.
+        # A lesson's is not forked: a server is what a user starts by hand, and lessons 01 and 04
+        # read its process (its parent, its command line) as `sophos-lab serve`'s own.
         with open(self.log_path, "ab") as stderr:
             self.proc = start_child(
-                "sophos_lab.cli", ["serve", "--host", "127.0.0.1", "--port", str(self.requested_port), "--lab-child"],
-                env=self.env, cwd=self.cwd, stderr=stderr, fork=False)
+                "sophos_lab.cli", ["serve", "--host", self.host, "--port", str(self.requested_port), "--lab-child"],
+                env=self.env, cwd=self.cwd, stderr=stderr, fork=self.fork)
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
         self.url = self.log.wait_for("ready", timeout=timeout, since=0)["data"]["url"]
         return self

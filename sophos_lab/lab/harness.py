@@ -128,8 +128,9 @@ class Lab:
 
         `fork_servers=True` forks every `python -m` stdio server of the lab's `mcp.json` (`fetch`,
         the ledger) from the fork server instead of starting a fresh interpreter each time
-        (`fork_mcp_server`): for tests that start hundreds of children. A lesson leaves it off, so
-        that the processes it shows are the ones the config names.
+        (`fork_mcp_server`), and its `server()`s too (each a `sophos-lab serve` forked, its
+        imports done): for tests that start hundreds of children. A lesson leaves it off, so
+        that the processes it shows are the ones the config names and a user starts.
 
         `database_url` (a `postgresql://` URL) puts the lab's tables and checkpoints on that
         PostgreSQL database instead of the lab's SQLite file: its children get it as
@@ -333,11 +334,13 @@ class Lab:
         self._children.append(child)
         return child.start()
 
-    def server(self, port: int = 0, **env: str) -> LabServer:
+    def server(self, port: int = 0, host: str = "127.0.0.1", **env: str) -> LabServer:
         """Start `sophos-lab serve` (the HTTP API) on a free loopback port, or on `port` (e.g. a
-        killed server's `port`, so that a browser's page reconnects to its successor); `child.url`
-        is its base URL. Same interface as `worker()`, over HTTP and SSE."""
-        child = LabServer(self.env(**env), cwd=self.root, log_path=self._log("server"), port=port)
+        killed server's `port`, so that a browser's page reconnects to its successor), or beyond
+        loopback with `host` (it needs users or a token); `child.url` is its base URL. Same
+        interface as `worker()`, over HTTP and SSE."""
+        child = LabServer(self.env(**env), cwd=self.root, log_path=self._log("server"), port=port, host=host,
+                          fork=self.fork_servers)
         self._children.append(child)
         return child.start()
 
