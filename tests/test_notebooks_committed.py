@@ -157,7 +157,7 @@ def test_the_chat_lesson_stops_before_resume_and_its_nbval_copy_clicks(tmp_path:
 # --- the knobs: one `parameters` cell, which papermill overrides --------------------------
 
 WITHOUT_CHILD = {"01_own_the_process", "04_streaming_is_not_persistence", "16_outgrowing_one_file",
-                 "17_the_separate_worker"}
+                 "17_the_separate_worker", "18_many_users"}
 """The lessons whose agent is `sophos-lab serve` (`lab.server()`): no `CHILD` knob."""
 EXTRA_PARAMETERS = {
     "06f_chat_and_resume": {"CLICK_RESUME": True},
