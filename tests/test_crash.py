@@ -10,7 +10,9 @@ from conftest import roles, statuses
 
 from sophos_lab.lab.harness import Lab
 
-pytestmark = pytest.mark.both_backends
+# The PostgreSQL side runs in `make test-matrix`: make test tries PostgreSQL through test_postgres,
+# test_workers, test_ownership, test_users and the PostgreSQL crash matrices (see docs/testing.md).
+pytestmark = pytest.mark.both_backends(postgres_full_matrix=True)
 
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 

@@ -34,8 +34,9 @@ KILL_POINT_NEEDS_A_TOOL_CALL = {
     "09_life_of_one_run", "10_cancel", "11_approval_gate", "12_retries_and_timeouts",
 }
 
-IN_MAKE_TEST = {"00_start_here", "06d_crash_after_tool_result"}
-"""The lessons `make test` runs against this server: the first one and a hesitant kill point.
+IN_MAKE_TEST = {"06d_crash_after_tool_result"}
+"""The lessons `make test` runs against this server: a hesitant kill point (a tool call the model
+may not make at once), a crash and a resume.
 Every lesson runs with `make test-matrix` (or `-m other_model`):
 nbval runs them all with the scripted model in `make test`, and the other server doubles a
 lesson's time."""

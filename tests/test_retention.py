@@ -29,7 +29,9 @@ from sophos_lab.runtime.postgres import PostgresStore, is_postgres_url
 from sophos_lab.runtime.errors import BAD_REQUEST, NOT_FOUND, OWNERSHIP_LOST, SESSION_IN_PROGRESS, SophosError
 from sophos_lab.runtime.store import Store
 
-pytestmark = pytest.mark.both_backends
+# The PostgreSQL side runs in `make test-matrix`: make test tries PostgreSQL through test_postgres,
+# test_workers, test_ownership, test_users and the PostgreSQL crash matrices (see docs/testing.md).
+pytestmark = pytest.mark.both_backends(postgres_full_matrix=True)
 
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
 UNKNOWN = "00000000-0000-4000-8000-000000000000"

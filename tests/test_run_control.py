@@ -18,7 +18,9 @@ from sophos_lab.runtime.errors import (
 from sophos_lab.runtime.settings import Settings
 from sophos_lab.runtime.store import Store
 
-pytestmark = pytest.mark.both_backends
+# The PostgreSQL side runs in `make test-matrix`: make test tries PostgreSQL through test_postgres,
+# test_workers, test_ownership, test_users and the PostgreSQL crash matrices (see docs/testing.md).
+pytestmark = pytest.mark.both_backends(postgres_full_matrix=True)
 
 FAST_RETRIES = {"SOPHOS_LAB_RETRY_BASE_SECONDS": "0.01", "SOPHOS_LAB_RETRY_MAX_SECONDS": "0.03"}
 
