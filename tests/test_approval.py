@@ -19,7 +19,10 @@ from sophos_lab.runtime.errors import (
 from sophos_lab.runtime.service import AgentService
 from sophos_lab.runtime.tools import load_mcp_config
 
-pytestmark = pytest.mark.both_backends
+# The PostgreSQL side runs in `make test-matrix`: make test tries PostgreSQL through test_postgres
+# (a gate decided by two processes among them), test_workers, test_ownership, test_users and the
+# PostgreSQL crash matrices (see docs/testing.md).
+pytestmark = pytest.mark.both_backends(postgres_full_matrix=True)
 
 PAY = "Please pay 30 to alice."
 PAY_ONCE = "Pay 30 to alice, exactly once."

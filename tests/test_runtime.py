@@ -20,7 +20,10 @@ from sophos_lab.runtime.errors import (
 from sophos_lab.lab.inspect import peek_runs
 from sophos_lab.lab.harness import dead_port_url
 
-pytestmark = pytest.mark.both_backends
+# The PostgreSQL side runs in `make test-matrix`: make test tries PostgreSQL through test_postgres
+# (a gate decided by two processes among them), test_workers, test_ownership, test_users and the
+# PostgreSQL crash matrices (see docs/testing.md).
+pytestmark = pytest.mark.both_backends(postgres_full_matrix=True)
 
 MISSING_ENTITY = (
     'Add the observation "has a lab" to the existing knowledge graph entity named '

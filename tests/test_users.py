@@ -29,7 +29,7 @@ from sophos_lab.runtime.tools import user_memory_path
 
 INSTRUCTOR = "the-instructor-s-long-random-secret"
 UNKNOWN = "0d4a3f0e-1b2c-4d5e-8f60-718293a4b5c6"
-EXAMPLES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+EXAMPLES = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 class Classroom:

@@ -129,8 +129,10 @@ class Lab:
         `fork_servers=True` forks every `python -m` stdio server of the lab's `mcp.json` (`fetch`,
         the ledger) from the fork server instead of starting a fresh interpreter each time
         (`fork_mcp_server`), and its `server()`s too (each a `sophos-lab serve` forked, its
-        imports done): for tests that start hundreds of children. A lesson leaves it off, so
-        that the processes it shows are the ones the config names and a user starts.
+        imports done): for tests that start hundreds of children, and lessons 16 to 18, which
+        start many servers and workers and read none of their processes. The other lessons
+        leave it off, so that the processes they show are the ones the config names and a
+        user starts.
 
         `database_url` (a `postgresql://` URL) puts the lab's tables and checkpoints on that
         PostgreSQL database instead of the lab's SQLite file: its children get it as
