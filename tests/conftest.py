@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -204,7 +205,7 @@ def every_point(pytestconfig) -> bool:
 
 def kill_points(kinds: list[str], every: bool, first: int = 1) -> list[int]:
     """The points of a matrix to try, numbered from `first`: `kinds[i]` says what point
-    `first + i` is (the event or the commit it follows, step numbers left out).
+    `first + i` is (the event or the commit it follows; its numbers, step numbers, are left out).
 
     Every point with `--every-point` (`make test-matrix`). Otherwise the first point of each
     kind, and the last point: a later point of a kind already tried runs the same code to the
@@ -214,7 +215,7 @@ def kill_points(kinds: list[str], every: bool, first: int = 1) -> list[int]:
         return numbers
     firsts: dict[str, int] = {}
     for n, kind in zip(numbers, kinds):
-        firsts.setdefault(kind, n)
+        firsts.setdefault(re.sub(r"-?\d+", "N", kind), n)
     return sorted({*firsts.values(), numbers[-1]})
 
 

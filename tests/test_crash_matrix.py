@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import re
 import select
 import signal
 import threading
@@ -953,7 +952,7 @@ async def write_matrix(labs: list[Lab], which: str, mode: str, every: bool,
     scenario = next(s for s in scenarios(labs[0]) if s.name == which)
     ref = await write_reference(labs[0], scenario, f"{mode}-reference", postgres_url)
     first = ref.ends[scenario.kill_from_turn - 1] + 1 if scenario.kill_from_turn else 1
-    numbers = kill_points([re.sub(r"-?\d+", "N", write) for write in ref.writes[first - 1:]], every, first)
+    numbers = kill_points(ref.writes[first - 1:], every, first)
     lanes = [numbers[i::len(labs)] for i in range(len(labs))]
 
     async def point(lab: Lab, n: int, files: dict[str, str], service: Any) -> WritePoint:

@@ -10,7 +10,6 @@ stop runs at exactly those instants: each commit a run makes is observable
 from __future__ import annotations
 
 import asyncio
-import re
 
 import pytest
 from conftest import kill_points, roles, transcript as plain
@@ -74,7 +73,7 @@ async def test_a_cancel_right_after_any_commit_leaves_the_conversation_answered_
     assert [w.kind for w in writes] == ["run", "checkpoint", "writes", "checkpoint", "writes", "checkpoint",
                                         "writes", "checkpoint", "writes", "checkpoint", "outcome"]
     outcomes = []
-    for k in kill_points(kinds(writes), every_point):
+    for k in kill_points([write.describe() for write in writes], every_point):
         before = (lab.fetches("index.html"), lab.model_calls())
         async with open_service(**fresh(database, tmp_path, f"point-{k}")) as agent:
             run, write = await cancelled_after_commit(agent, message, k)
@@ -93,16 +92,12 @@ async def test_a_cancel_right_after_any_commit_leaves_the_conversation_answered_
     assert ("writes tools (messages, branch:to:agent)", "cancelled", ("tools",)) in outcomes, outcomes
 
 
-def kinds(writes) -> list[str]:
-    return [re.sub(r"-?\d+", "N", write.describe()) for write in writes]
-
-
 async def stopped_at_each_commit(lab, open_service, tmp_path, message: str, every: bool):
     """For each commit of the uninterrupted run but its outcome (or a sample: `kill_points`): a
     fresh service whose run of `message` was cancelled right after that commit, with what it
     showed then and the fetches."""
     writes, _, _ = await reference(lab, open_service, tmp_path, message)
-    for k in kill_points(kinds(writes[:-1]), every):
+    for k in kill_points([write.describe() for write in writes[:-1]], every):
         async with open_service(DATABASE_PATH=str(tmp_path / f"point-{k}.db")) as agent:
             run, write = await cancelled_after_commit(agent, message, k)
             yield k, agent, run, await agent.get_conversation(run.conversation), lab.fetches("index.html")

@@ -514,8 +514,7 @@ class LabKernel(_Child):
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=timeout)
-        self._reader = threading.Thread(target=self._read, args=(self.km, self.kc, self._stop), daemon=True)
-        self._reader.start()
+        threading.Thread(target=self._read, args=(self.km, self.kc, self._stop), daemon=True).start()
         shutil.rmtree(self.request_dir, ignore_errors=True)  # a restarted child takes no old request
         self.execute(_SETUP.format(request_dir=str(self.request_dir)), timeout=timeout)
         return self
@@ -557,7 +556,7 @@ class LabKernel(_Child):
             code = process.wait(timeout)
         except subprocess.TimeoutExpired:
             return self.kill()
-        self._reader.join(timeout)  # it returns once it has read every message the kernel sent
+        self.log.wait_for(EXITED, timeout=timeout, since=0)  # as a worker's: the reader has read all
         self._tidy(code)
         return code
 

@@ -42,7 +42,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..runtime.errors import SophosError
 
@@ -59,7 +59,7 @@ def emit_line(payload: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def exit_now() -> None:
+def exit_now() -> NoReturn:
     """`os._exit(0)`, once the events written so far have left this process.
 
     In a kernel child stdout goes over ZeroMQ, and `os._exit` drops what is still queued on the
@@ -255,7 +255,7 @@ class ChildRuntime:
             "active_runs": [run.id for run in self.service.active.values()],
         }})
 
-    def _exit_idle(self) -> None:
+    def _exit_idle(self) -> NoReturn:
         self._announce_shutdown()
         self.service.store.close()
         self.emit({"event": "exited", "data": {"reason": "sigterm"}})

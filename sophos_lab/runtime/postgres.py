@@ -352,7 +352,8 @@ class PostgresStore:
                  requeue_limit: int = 0, limits: users.Limits = users.Limits()) -> None:
         self.url = url
         self.limits = limits
-        """What one user may have running and queued at once (`users.check_limits`, `queue.claim`)."""
+        """What one user may have running and queued at once and spend (`users.check_limits`,
+        `queue.claim`)."""
         self.requeue_limit = requeue_limit
         """`SOPHOS_LAB_REQUEUE`: how often a worker's crashed run goes back in the queue (0: never)."""
         self.lease_seconds = lease_seconds

@@ -1045,7 +1045,7 @@ class AgentService:
         except Exception as exc:
             status, error = "failed", classify_failure(exc, watch.gave_up, self.settings)
             if error[0] == errors.RECURSION_LIMIT and budget.setting:
-                error = errors.STEP_BUDGET_SPENT, users.step_budget_message(budget, self.settings.user_limits)
+                error = errors.STEP_BUDGET_SPENT, budget.message
             run.lost = run.lost or is_fenced(exc)
         finally:
             run.in_graph = False

@@ -575,7 +575,7 @@ class Store:
                  limits: users.Limits = users.Limits()) -> None:
         self.path = Path(path)
         self.limits = limits
-        """What one user may have running at once (see `users.check_limits`)."""
+        """What one user may have running at once and spend (see `users.check_limits`)."""
         self.lease_seconds = lease_seconds
         self.single_owner = single_owner
         self.owner: Owner | None = None

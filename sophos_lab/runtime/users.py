@@ -103,6 +103,7 @@ class Limits:
     running: int = 2
     queued: int = 10
     steps_per_run: int = 25
+    """As `AGENT_RECURSION_LIMIT`'s default: a user's run has no budget of its own unless set lower."""
     steps_per_day: int = 1000
 
 
@@ -128,6 +129,13 @@ class StepBudget:
 
     steps: int
     setting: str | None = None
+    limit: int | None = None
+    """The setting's value."""
+
+    @property
+    def message(self) -> str:
+        return (f"The run used the {self.steps} steps its user had left ({self.setting}={self.limit}) without "
+                "finishing; its progress is saved, and a resume carries on once the budget allows.")
 
 
 def step_budget(conn: Any, user: str | None, limits: Limits, recursion_limit: int, now: str) -> StepBudget:
@@ -139,17 +147,11 @@ def step_budget(conn: Any, user: str | None, limits: Limits, recursion_limit: in
     if user is None:
         return budget
     if limits.steps_per_run < budget.steps:
-        budget = StepBudget(limits.steps_per_run, "SOPHOS_LAB_USER_MAX_STEPS_PER_RUN")
+        budget = StepBudget(limits.steps_per_run, "SOPHOS_LAB_USER_MAX_STEPS_PER_RUN", limits.steps_per_run)
     left = limits.steps_per_day - steps_today(conn, user, now)
     if left < budget.steps:
-        budget = StepBudget(max(left, 1), "SOPHOS_LAB_USER_MAX_STEPS_PER_DAY")
+        budget = StepBudget(max(left, 1), "SOPHOS_LAB_USER_MAX_STEPS_PER_DAY", limits.steps_per_day)
     return budget
-
-
-def step_budget_message(budget: StepBudget, limits: Limits) -> str:
-    limit = limits.steps_per_run if budget.setting == "SOPHOS_LAB_USER_MAX_STEPS_PER_RUN" else limits.steps_per_day
-    return (f"The run used the {budget.steps} steps its user had left ({budget.setting}={limit}) without "
-            "finishing; its progress is saved, and a resume carries on once the budget allows.")
 
 
 def check_limits(conn: Any, status: str, limits: Limits, now: str) -> None:
