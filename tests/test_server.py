@@ -268,7 +268,8 @@ def test_the_runs_of_a_conversation_are_listed_in_start_order(server):
 
     assert [run["status"] for run in runs] == ["completed", "completed"]
     assert [run["input"][0]["content"] for run in runs] == ["hello", "hi again"]
-    assert set(runs[0]) == {"id", "conversation", "status", "startedAt", "finishedAt", "input"}
+    assert [run["steps"] for run in runs] == [1, 1]  # each ran the model once: one graph step
+    assert set(runs[0]) == {"id", "conversation", "status", "startedAt", "finishedAt", "steps", "input"}
 
 
 def test_unknown_paths_and_methods_answer_in_the_envelope(server):

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import uuid
 
+import httpx
 import psutil
 import pytest
 
@@ -80,6 +81,33 @@ def test_a_user_at_their_running_limit_is_refused_with_too_many_runs_and_nothing
     assert len(store.list_runs()) == before
     start(store, bea)  # another user is not held up by ada's limit
     start(store, None), start(store, None), start(store, None)  # nor the single-user mode, which has none
+
+
+@pytest.mark.both_backends
+def test_a_run_whose_process_was_killed_holds_no_place_in_its_user_s_running_limit(lab, database):
+    """Ada may have one run at a time. Her run is held half-way on a server, which is killed: a
+    new chat of hers through another process is not refused for a run nobody runs any more."""
+    settings = {**database, "SOPHOS_LAB_USER_MAX_RUNNING": "1"}
+    token = lab.add_user("ada", **database)
+    store = open_store(lab.settings(**settings))
+    try:
+        ada = users.find_user(store, "ada")  # open (and swept) before her run: no sweep helps later
+        lab.model.arm("summary")
+        with lab.server(**settings) as server:
+            started = httpx.post(f"{server.url}/api/chat", headers={"Authorization": f"Bearer {token}"},
+                                 json={"message": f"Fetch {lab.page('wal.html')} and summarize it."}, timeout=30)
+            assert started.status_code == 200, started.text
+            lab.model.wait_paused()  # her run is `running`, and its process alive
+            server.kill()
+        lab.model.release()
+
+        start(store, ada)  # her next run, on a new conversation: once refused with TOO_MANY_RUNS
+        crashed = store.list_runs(started.json()["conversation"])
+    finally:
+        store.close()
+
+    # it saved two steps (the model's tool call, the fetch) and died in the third: its user's day counts two
+    assert [(run.status, run.steps) for run in crashed] == [("interrupted", 2)]
 
 
 def test_a_user_at_their_queued_limit_is_refused_and_workers_claim_in_turns_across_users(queue_store):

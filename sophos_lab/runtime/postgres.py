@@ -45,7 +45,7 @@ from . import users
 from .ownership import Owner, owner_gone
 from .retention import Removal, Vacuum
 from .store import (PAGE_SIZE, RELABELLED, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, ListingPosition,
-                    Run, encode_cursor, title_from_message, utc_now)
+                    Run, encode_cursor, run_scope, title_from_message, utc_now)
 
 log = logging.getLogger(__name__)
 
@@ -331,6 +331,16 @@ FROM runs r LEFT JOIN owners o ON o.id = r.owner_id
 WHERE r.status = 'running'"""
 
 
+# The steps a relabelled run saved, as SQLite's (`store._SAVED_STEPS`).
+_SAVED_STEPS = """
+UPDATE runs SET steps = (
+    SELECT count(*) FILTER (WHERE c.metadata->>'source' = 'loop')
+         - count(*) FILTER (WHERE c.metadata->>'source' = 'input')
+    FROM checkpoints c
+    WHERE c.thread_id = runs.conversation_id AND c.checkpoint_ns = '' AND c.metadata->>'run_id' = runs.id)
+WHERE id = ANY(%s)"""
+
+
 def _owner_row(row: dict) -> dict | None:
     """An `owners` row as `owner_gone` reads it. Its wall-clock lease is read on the database's
     clock: `lease_left` is what `now()` leaves of it, so it runs out here exactly when it does
@@ -428,11 +438,10 @@ class PostgresStore:
             with self.transaction() as conn:
                 self._forget_gone_owners(conn)  # those that died holding no run
 
-    def _stale_runs(self, conn: psycopg.Connection, conversation_id: str | None) -> list[str]:
-        sql, params = _RUNNING_SQL, ()
-        if conversation_id is not None:
-            sql, params = sql + " AND r.conversation_id = %s", (conversation_id,)
-        return [row["run_id"] for row in conn.execute(sql, params) if owner_gone(_owner_row(row), self.owner)]
+    def _stale_runs(self, conn: psycopg.Connection, conversation_id: str | None,
+                    user_id: str | None = None) -> list[str]:
+        scope, params = run_scope(conversation_id, user_id, "%s")
+        return [row["run_id"] for row in conn.execute(_RUNNING_SQL + scope, params) if owner_gone(_owner_row(row), self.owner)]
 
     def _relabel_in(self, conn: psycopg.Connection, run_ids: list[str]) -> int:
         """Inside a transaction: relabel these runs if still `running`, and recount their
@@ -442,6 +451,7 @@ class PostgresStore:
         from . import queue
 
         relabelled = conn.execute(_RELABEL, (utc_now(), run_ids)).fetchall()
+        conn.execute(_SAVED_STEPS, ([row["id"] for row in relabelled],))
         queue.close_events(conn, relabelled)  # a worker's run: its followers' final event
         for conversation_id in {row["conversation_id"] for row in relabelled}:
             try:
@@ -453,12 +463,12 @@ class PostgresStore:
                 conn.execute("UPDATE conversations SET message_count = %s WHERE id = %s", (count, conversation_id))
         return len(relabelled)
 
-    def _relabel_stale(self, conversation_id: str | None) -> int:
+    def _relabel_stale(self, conversation_id: str | None, user_id: str | None = None) -> int:
         with self._lock:
-            if not self._stale_runs(self.conn, conversation_id):
+            if not self._stale_runs(self.conn, conversation_id, user_id):
                 return 0
             with self.transaction() as conn:
-                stale = self._stale_runs(conn, conversation_id)
+                stale = self._stale_runs(conn, conversation_id, user_id)
                 requeued = self._requeue_in(conn, stale)
                 count = self._relabel_in(conn, [run_id for run_id in stale if run_id not in requeued])
                 self._forget_gone_owners(conn)
@@ -492,12 +502,12 @@ class PostgresStore:
         if gone:
             conn.execute("DELETE FROM owners WHERE id = ANY(%s)", (gone,))
 
-    def recover(self, conversation_id: str | None = None) -> int:
-        """Relabel `interrupted` the `running` runs whose owner is gone; how many."""
+    def recover(self, conversation_id: str | None = None, user_id: str | None = None) -> int:
+        """Relabel `interrupted` the `running` runs whose owner is gone (as `Store.recover`); how many."""
         self.conn  # noqa: B018 - opened (and swept) on first use
         if self.single_owner:
             return 0
-        return self._relabel_stale(conversation_id)
+        return self._relabel_stale(conversation_id, user_id)
 
     _recover = recover
 
@@ -559,7 +569,7 @@ class PostgresStore:
                   decision: tuple[Gate, dict[str, dict]] | None = None) -> None:
         """As `Store.start_run`, in one transaction; the partial unique index refuses a second
         active run on the conversation, whichever process or host tries."""
-        self._recover(conversation_id)
+        self._recover(conversation_id, users.acting_user.get())  # a crashed run holds no place in a limit
         with self._starting(idempotency) as conn:
             self._lease(conn)
             users.check_limits(conn, "running", self.limits, utc_now())
@@ -573,7 +583,7 @@ class PostgresStore:
         with its `started` event; the workers are woken once it is committed."""
         from . import queue
 
-        self._recover(conversation_id)
+        self._recover(conversation_id, users.acting_user.get())  # a crashed run holds no place in a limit
         with self._starting(idempotency) as conn:
             users.check_limits(conn, "queued", self.limits, utc_now())
             self._insert_run(conn, run_id, conversation_id, "queued", None, input_messages, title,

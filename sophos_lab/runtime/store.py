@@ -295,8 +295,8 @@ class Run:
     requeues: int = 0
     """PostgreSQL with workers: how often a crash put the run back in the queue (`RUN_REQUEUES`)."""
     steps: int = 0
-    """The graph steps the run took, recorded with its outcome (0 until then, and for a run a
-    crash ended: its process was gone before it could record them)."""
+    """The graph steps the run took, recorded with its outcome (0 until then); for a run a
+    crash ended, the steps it saved, recorded when it is relabelled `interrupted`."""
 
 
 @dataclass(frozen=True)
@@ -511,13 +511,25 @@ FROM runs r LEFT JOIN owners o ON o.id = r.owner_id
 WHERE r.status = 'running'"""
 
 
-def stale_runs(conn: sqlite3.Connection, me: Owner, conversation_id: str | None = None) -> list[str]:
-    """The `running` runs whose owner is gone (of one conversation, or of all)."""
-    sql, params = _RUNNING_SQL, ()
-    if conversation_id is not None:
-        sql, params = sql + " AND r.conversation_id = ?", (conversation_id,)
+def run_scope(conversation_id: str | None, user_id: str | None, mark: str = "?") -> tuple[str, tuple]:
+    """A condition to add to a query of `runs r`: its runs of one conversation, of one user's
+    conversations, or of either; nothing (every run) when both are None. `mark`: the driver's
+    placeholder."""
+    scopes = {f"r.conversation_id = {mark}": conversation_id,
+              f"r.conversation_id IN (SELECT id FROM conversations WHERE user_id = {mark})": user_id}
+    scopes = {scope: value for scope, value in scopes.items() if value is not None}
+    if not scopes:
+        return "", ()
+    return " AND (" + " OR ".join(scopes) + ")", tuple(scopes.values())
+
+
+def stale_runs(conn: sqlite3.Connection, me: Owner, conversation_id: str | None = None,
+               user_id: str | None = None) -> list[str]:
+    """The `running` runs whose owner is gone: of one conversation and/or of one user's
+    conversations, or of all."""
+    scope, params = run_scope(conversation_id, user_id)
     return [
-        row["run_id"] for row in conn.execute(sql, params)
+        row["run_id"] for row in conn.execute(_RUNNING_SQL + scope, params)
         if owner_gone(dict(row) if row["has_owner"] else None, me)
     ]
 
@@ -532,15 +544,31 @@ RELABELLED = f"""
 _RELABEL = f"UPDATE runs SET {RELABELLED} finished_at = ? WHERE status = 'running'"
 
 
+# A run that recorded no outcome (its process died) took as many graph steps as it checkpointed:
+# each step of the loop writes one checkpoint, and its input one more (the `__start__` task), so
+# the steps are its `loop` checkpoints less its `input` ones. The step in progress is not counted.
+_SAVED_STEPS = """
+UPDATE runs SET steps = (
+    SELECT count(*) FILTER (WHERE json_extract(CAST(metadata AS TEXT), '$.source') = 'loop')
+         - count(*) FILTER (WHERE json_extract(CAST(metadata AS TEXT), '$.source') = 'input')
+    FROM checkpoints
+    WHERE thread_id = runs.conversation_id AND checkpoint_ns = ''
+      AND json_extract(CAST(metadata AS TEXT), '$.run_id') = runs.id)
+WHERE id = ?"""
+
+
 def relabel_interrupted(conn: sqlite3.Connection, run_ids: list[str], path: str | Path | None = None) -> int:
     """Mark these runs `interrupted` (`cancelled` if a cancel was accepted) if they are still
     `running`; how many were.
 
     With `path` (the file `conn` is open on; call it inside a transaction), the conversation of
     each run relabelled gets its `message_count` from its thread, in the same transaction: the
-    run recorded no outcome, so the column still held what its row wrote (see `counting`)."""
+    run recorded no outcome, so the column still held what its row wrote (see `counting`).
+    Each gets the steps it saved as its `steps` (`_SAVED_STEPS`), which its user's day counts."""
     now = utc_now()
     relabelled = [run_id for run_id in run_ids if conn.execute(_RELABEL + " AND id = ?", (now, run_id)).rowcount]
+    if relabelled and has_table(conn, "checkpoints"):
+        conn.executemany(_SAVED_STEPS, [(run_id,) for run_id in relabelled])
     if path is not None and relabelled:
         from .counting import recount
 
@@ -681,8 +709,9 @@ class Store:
                 forget_gone_owners(conn, self.owner)  # those that died holding no run
         self._sweep_pending = False
 
-    def recover(self, conversation_id: str | None = None) -> int:
-        """Relabel `interrupted` the `running` runs whose owner is gone; how many.
+    def recover(self, conversation_id: str | None = None, user_id: str | None = None) -> int:
+        """Relabel `interrupted` the `running` runs whose owner is gone (of one conversation
+        and/or of one user's conversations, or of all); how many.
 
         A read decides whether there is anything to do, so the common case takes no write lock;
         the relabelling re-checks under the lock (`status = 'running'`).
@@ -693,14 +722,14 @@ class Store:
         """
         self.conn  # noqa: B018 - an open that cannot even read raises STORAGE_FULL here
         try:
-            return self._recover(conversation_id)
+            return self._recover(conversation_id, user_id)
         except SophosError as error:
             if error.code != STORAGE_FULL:
                 raise
             log.info("could not recover the runs of %s yet: %s", self.path, error.message)
             return 0
 
-    def _recover(self, conversation_id: str | None = None) -> int:
+    def _recover(self, conversation_id: str | None = None, user_id: str | None = None) -> int:
         """`recover`, refused with `STORAGE_FULL` on a full disk. After an open that could not
         write its owner row and recovery, those first (the count is then the whole file's)."""
         self.conn  # noqa: B018 - opened (and swept, if it can be) on first use
@@ -710,15 +739,15 @@ class Store:
                 return self.recovered_runs
         if self.single_owner:
             return 0
-        return self._relabel_stale(conversation_id)
+        return self._relabel_stale(conversation_id, user_id)
 
-    def _relabel_stale(self, conversation_id: str | None) -> int:
+    def _relabel_stale(self, conversation_id: str | None, user_id: str | None = None) -> int:
         conn = self.conn
         with self._lock:
-            if not stale_runs(conn, self.owner, conversation_id):
+            if not stale_runs(conn, self.owner, conversation_id, user_id):
                 return 0
             with self.transaction():
-                count = relabel_interrupted(conn, stale_runs(conn, self.owner, conversation_id), self.path)
+                count = relabel_interrupted(conn, stale_runs(conn, self.owner, conversation_id, user_id), self.path)
                 forget_gone_owners(conn, self.owner)
             return count
 
@@ -811,9 +840,10 @@ class Store:
         (`SESSION_IN_PROGRESS`); one of a gone owner is relabelled `interrupted` first. A key
         already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`): see `keyed_run`. A
         gate decided meanwhile (by another process) refuses it too (`GATE_DECIDED`). On a full
-        disk it is refused with `STORAGE_FULL` and nothing of it is written.
+        disk it is refused with `STORAGE_FULL` and nothing of it is written. The acting user's
+        runs of gone owners are relabelled first too: a crashed one holds no place in their limit.
         """
-        self._recover(conversation_id)
+        self._recover(conversation_id, users.acting_user.get())
         now = utc_now()
         statements = []
         if title is not None:

@@ -115,7 +115,7 @@ def day_start(now: str) -> str:
 
 def steps_today(conn: Any, user: str, now: str) -> int:
     """The graph steps the user's runs started today (UTC) have recorded (`runs.steps`, written
-    with each run's outcome)."""
+    with each run's outcome, or when a run a crash ended is relabelled)."""
     row = conn.execute(_sql(conn, (
         "SELECT coalesce(sum(r.steps), 0) AS steps FROM runs r JOIN conversations c ON c.id = r.conversation_id"
         " WHERE c.user_id = ? AND r.started_at >= ?")), (user, day_start(now))).fetchone()
@@ -174,7 +174,7 @@ def check_limits(conn: Any, status: str, limits: Limits, now: str) -> None:
                       else (limits.queued, "SOPHOS_LAB_USER_MAX_QUEUED"))
     if row[status] >= limit:
         raise SophosError(errors.TOO_MANY_RUNS, (
-            f"You have {row[status]} runs {status} already, the most one user may have at once on this "
+            f"You have {row[status]} run{'' if row[status] == 1 else 's'} {status} already, the most one user may have at once on this "
             f"server ({setting}={limit}); wait for one to end, or cancel one. Nothing was stored."))
     spent = steps_today(conn, user, now)
     if spent >= limits.steps_per_day:

@@ -103,7 +103,8 @@ def conversation_detail(detail: ConversationDetail) -> dict[str, Any]:
 
 
 def run_dto(run: Run) -> dict[str, Any]:
-    """One run (kit only): its outcome, its times and the user's messages it carried."""
+    """One run (kit only): its outcome, its times, the graph steps it took (0 until it ends) and
+    the user's messages it carried."""
     return {
         "id": run.id,
         "conversation": run.conversation_id,
@@ -111,5 +112,6 @@ def run_dto(run: Run) -> dict[str, Any]:
         **error_dto(run.error_code, run.error_message),
         "startedAt": run.started_at,
         "finishedAt": run.finished_at,
+        "steps": run.steps,
         "input": json.loads(run.input) if run.input else [],
     }
