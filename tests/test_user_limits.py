@@ -110,6 +110,27 @@ def test_a_run_whose_process_was_killed_holds_no_place_in_its_user_s_running_lim
     assert [(run.status, run.steps) for run in crashed] == [("interrupted", 2)]
 
 
+# A fetch's commits: 1 the run, 2 the input's checkpoint, 3 and 4 the `__start__` task's writes and
+# checkpoint (no step), then each step's writes and checkpoint: 5-6 the model's tool call, 7-8 the
+# fetch, 9-10 the summary, 11 the outcome.
+@pytest.mark.parametrize("commits, saved", [(2, 0), (5, 0), (6, 1), (8, 2)])
+def test_a_run_killed_after_any_commit_costs_the_steps_it_saved(lab, commits, saved):
+    with lab.worker(SOPHOS_LAB_STOP_AFTER_WRITE=str(commits), SOPHOS_LAB_TRACE_WRITES="1") as child:
+        child.chat(f"Fetch {lab.page('wal.html')} and summarize it.")
+        child.wait_stopped()  # right after its commit number `commits`
+        writes = [e["data"]["write"] for e in child.log.events if e["event"] == "write"]
+        conversation = child.conversation()
+        assert child.kill() == -9
+
+    store = open_store(lab.settings())  # an open relabels the killed worker's run
+    try:
+        [run] = store.list_runs(conversation)
+    finally:
+        store.close()
+
+    assert (run.status, run.steps) == ("interrupted", saved), writes
+
+
 def test_a_user_at_their_queued_limit_is_refused_and_workers_claim_in_turns_across_users(queue_store):
     store = queue_store
     ada, bea = add(store, "ada"), add(store, "bea")

@@ -284,7 +284,8 @@ def test_with_requeue_a_killed_worker_s_run_goes_back_in_the_queue_as_often_as_a
     assert first.kill() == -9
     lab.model.release()  # the killed worker's stream
     lab.model.wait_paused()  # the run went back in the queue, and the second worker is answering it
-    assert rows(lab, "SELECT status, requeues, owner_id FROM runs") == [("running", 1, second.owner)]
+    # the steps the first attempt saved (the model's tool call, the fetch) are the run's already
+    assert rows(lab, "SELECT status, requeues, owner_id, steps FROM runs") == [("running", 1, second.owner, 2)]
 
     assert second.kill() == -9  # a second crash: the limit is one, so it stays interrupted
     lab.model.release()
@@ -292,7 +293,7 @@ def test_with_requeue_a_killed_worker_s_run_goes_back_in_the_queue_as_often_as_a
     assert (final["event"], final["data"]["status"]) == ("end", "interrupted"), final
     ids = [e["id"] for e in server.events() if e.get("id") is not None]
     assert ids == list(range(1, len(ids) + 1)), ids  # one stream across both workers, none twice
-    assert rows(lab, "SELECT status, requeues FROM runs") == [("interrupted", 1)]
+    assert rows(lab, "SELECT status, requeues, steps FROM runs") == [("interrupted", 1, 2)]  # counted once
 
     lab.pool_worker(**requeue)
     server.resume(conversation)

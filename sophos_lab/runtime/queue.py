@@ -3,9 +3,9 @@
 With `SOPHOS_LAB_RUNS=workers` the process that accepts a message runs no graph. It commits the
 run `queued`, with its input, its idempotency key and its gate decision, and its `started`
 event: accepted means committed. A worker (`sophos-lab worker`) claims the next queued run (in
-turns across users, oldest first within a turn) with `FOR UPDATE SKIP LOCKED`, so two workers never take the same one, and runs it as its owner
-under a lease, as a process runs its own run (recovery, the fence and the outcome's owner check
-are unchanged). One active run per conversation covers `queued` too (the partial unique index
+turns across users, oldest first within a turn) with `FOR UPDATE SKIP LOCKED`, so two workers
+never take the same one, and runs it as its owner under a lease, as a process runs its own run
+(recovery, the fence and the outcome's owner check are unchanged). One active run per conversation covers `queued` too (the partial unique index
 `one_active_run_per_conversation`).
 
 Events go through the database, so that any web server streams any run. The worker appends a

@@ -296,7 +296,7 @@ class Run:
     """PostgreSQL with workers: how often a crash put the run back in the queue (`RUN_REQUEUES`)."""
     steps: int = 0
     """The graph steps the run took, recorded with its outcome (0 until then); for a run a
-    crash ended, the steps it saved, recorded when it is relabelled `interrupted`."""
+    crash ended, the steps it saved, recorded when recovery relabels it."""
 
 
 @dataclass(frozen=True)
@@ -544,16 +544,19 @@ RELABELLED = f"""
 _RELABEL = f"UPDATE runs SET {RELABELLED} finished_at = ? WHERE status = 'running'"
 
 
-# A run that recorded no outcome (its process died) took as many graph steps as it checkpointed:
-# each step of the loop writes one checkpoint, and its input one more (the `__start__` task), so
-# the steps are its `loop` checkpoints less its `input` ones. The step in progress is not counted.
+# A run that recorded no outcome (its process died) took as many graph steps as it checkpointed.
+# Each step of the loop writes one `loop` checkpoint; a run's input writes an `input` one, and
+# then its `__start__` task a `loop` one that is no step: so the steps are its `loop` checkpoints
+# less its `input` ones (none, not -1, for a run killed between the two). The step in progress is
+# not counted. A re-queued run (PostgreSQL) gets it at each re-queue: its attempts share its id,
+# so the count covers them all, and `max` keeps what the column has if that is more.
 _SAVED_STEPS = """
-UPDATE runs SET steps = (
+UPDATE runs SET steps = max(steps, (
     SELECT count(*) FILTER (WHERE json_extract(CAST(metadata AS TEXT), '$.source') = 'loop')
          - count(*) FILTER (WHERE json_extract(CAST(metadata AS TEXT), '$.source') = 'input')
     FROM checkpoints
     WHERE thread_id = runs.conversation_id AND checkpoint_ns = ''
-      AND json_extract(CAST(metadata AS TEXT), '$.run_id') = runs.id)
+      AND json_extract(CAST(metadata AS TEXT), '$.run_id') = runs.id))
 WHERE id = ?"""
 
 
@@ -843,7 +846,8 @@ class Store:
         disk it is refused with `STORAGE_FULL` and nothing of it is written. The acting user's
         runs of gone owners are relabelled first too: a crashed one holds no place in their limit.
         """
-        self._recover(conversation_id, users.acting_user.get())
+        user = users.acting_user.get()
+        self._recover(None if user else conversation_id, user)  # the user's own: theirs or NOT_FOUND
         now = utc_now()
         statements = []
         if title is not None:
@@ -914,7 +918,7 @@ class Store:
         mine = "" if self.single_owner else " AND status = 'running' AND owner_id = ?"
         with self.transaction() as conn:
             updated = conn.execute(
-                "UPDATE runs SET status = ?, error_code = ?, error_message = ?, finished_at = ?, steps = ?"
+                "UPDATE runs SET status = ?, error_code = ?, error_message = ?, finished_at = ?, steps = steps + ?"
                 " WHERE id = ?" + mine,
                 (status, error_code, error_message, now, steps, run_id,
                  *(() if self.single_owner else (self.owner.id,))),
