@@ -44,20 +44,29 @@ def process_started(pid: int) -> str:
     return fields[19] if fields else ""
 
 
-def process_alive(pid: int, started: str = "") -> bool:
-    """Whether `pid` runs here and is the same process that started at `started`.
-
-    A zombie (killed, not yet reaped) counts as dead: it will never write again.
-    """
+def _exists(pid: int) -> bool:
+    """Whether this host has a process (a zombie too) with this pid: the null signal."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass  # it exists; it belongs to someone else
+    return True
+
+
+def process_alive(pid: int, started: str = "") -> bool:
+    """Whether `pid` runs here and is the same process that started at `started`.
+
+    A zombie (killed, not yet reaped) counts as dead: it will never write again.
+    """
+    if not _exists(pid):
+        return False
     fields = _stat(pid)
     if fields is None:
-        return True  # no /proc: the signal test is all we have
+        # Reaped between the two looks (a zombie a moment ago), or no /proc to read: ask again,
+        # which tells the first apart; without /proc the null signal is all there is.
+        return _exists(pid)
     if fields[0] in ("Z", "X"):
         return False
     return not started or fields[19] == started
