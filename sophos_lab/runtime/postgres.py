@@ -573,8 +573,7 @@ class PostgresStore:
                   decision: tuple[Gate, dict[str, dict]] | None = None) -> None:
         """As `Store.start_run`, in one transaction; the partial unique index refuses a second
         active run on the conversation, whichever process or host tries."""
-        user = users.acting_user.get()  # a crashed run of theirs holds no place in their limit
-        self._recover(None if user else conversation_id, user)
+        self._recover(conversation_id, users.acting_user.get())  # a user's crashed runs hold no place in a limit
         with self._starting(idempotency) as conn:
             self._lease(conn)
             users.check_limits(conn, "running", self.limits, utc_now())
@@ -588,8 +587,7 @@ class PostgresStore:
         with its `started` event; the workers are woken once it is committed."""
         from . import queue
 
-        user = users.acting_user.get()  # a crashed run of theirs holds no place in their limit
-        self._recover(None if user else conversation_id, user)
+        self._recover(conversation_id, users.acting_user.get())  # a user's crashed runs hold no place in a limit
         with self._starting(idempotency) as conn:
             users.check_limits(conn, "queued", self.limits, utc_now())
             self._insert_run(conn, run_id, conversation_id, "queued", None, input_messages, title,

@@ -5,8 +5,8 @@ run `queued`, with its input, its idempotency key and its gate decision, and its
 event: accepted means committed. A worker (`sophos-lab worker`) claims the next queued run (in
 turns across users, oldest first within a turn) with `FOR UPDATE SKIP LOCKED`, so two workers
 never take the same one, and runs it as its owner under a lease, as a process runs its own run
-(recovery, the fence and the outcome's owner check are unchanged). One active run per conversation covers `queued` too (the partial unique index
-`one_active_run_per_conversation`).
+(recovery, the fence and the outcome's owner check are unchanged). One active run per
+conversation covers `queued` too (the partial unique index `one_active_run_per_conversation`).
 
 Events go through the database, so that any web server streams any run. The worker appends a
 run's events to `run_events` (ids per run, as in a process's buffer) and, in the same

@@ -512,21 +512,18 @@ WHERE r.status = 'running'"""
 
 
 def run_scope(conversation_id: str | None, user_id: str | None, mark: str = "?") -> tuple[str, tuple]:
-    """A condition to add to a query of `runs r`: its runs of one conversation, of one user's
-    conversations, or of either; nothing (every run) when both are None. `mark`: the driver's
-    placeholder."""
-    scopes = {f"r.conversation_id = {mark}": conversation_id,
-              f"r.conversation_id IN (SELECT id FROM conversations WHERE user_id = {mark})": user_id}
-    scopes = {scope: value for scope, value in scopes.items() if value is not None}
-    if not scopes:
-        return "", ()
-    return " AND (" + " OR ".join(scopes) + ")", tuple(scopes.values())
+    """A condition to add to a query of `runs r`: the runs of one user's conversations (`user_id`),
+    else of one conversation, else nothing (every run). `mark`: the driver's placeholder."""
+    if user_id is not None:
+        return f" AND r.conversation_id IN (SELECT id FROM conversations WHERE user_id = {mark})", (user_id,)
+    if conversation_id is not None:
+        return f" AND r.conversation_id = {mark}", (conversation_id,)
+    return "", ()
 
 
 def stale_runs(conn: sqlite3.Connection, me: Owner, conversation_id: str | None = None,
                user_id: str | None = None) -> list[str]:
-    """The `running` runs whose owner is gone: of one conversation and/or of one user's
-    conversations, or of all."""
+    """The `running` runs whose owner is gone, of `run_scope`'s runs."""
     scope, params = run_scope(conversation_id, user_id)
     return [
         row["run_id"] for row in conn.execute(_RUNNING_SQL + scope, params)
@@ -713,8 +710,8 @@ class Store:
         self._sweep_pending = False
 
     def recover(self, conversation_id: str | None = None, user_id: str | None = None) -> int:
-        """Relabel `interrupted` the `running` runs whose owner is gone (of one conversation
-        and/or of one user's conversations, or of all); how many.
+        """Relabel `interrupted` the `running` runs whose owner is gone (of one user's
+        conversations, else of one conversation, else of all: `run_scope`); how many.
 
         A read decides whether there is anything to do, so the common case takes no write lock;
         the relabelling re-checks under the lock (`status = 'running'`).
@@ -846,8 +843,7 @@ class Store:
         disk it is refused with `STORAGE_FULL` and nothing of it is written. The acting user's
         runs of gone owners are relabelled first too: a crashed one holds no place in their limit.
         """
-        user = users.acting_user.get()
-        self._recover(None if user else conversation_id, user)  # the user's own: theirs or NOT_FOUND
+        self._recover(conversation_id, users.acting_user.get())
         now = utc_now()
         statements = []
         if title is not None:

@@ -173,9 +173,10 @@ def check_limits(conn: Any, status: str, limits: Limits, now: str) -> None:
     limit, setting = ((limits.running, "SOPHOS_LAB_USER_MAX_RUNNING") if status == "running"
                       else (limits.queued, "SOPHOS_LAB_USER_MAX_QUEUED"))
     if row[status] >= limit:
+        runs = f"{row[status]} run{'' if row[status] == 1 else 's'}"
         raise SophosError(errors.TOO_MANY_RUNS, (
-            f"You have {row[status]} run{'' if row[status] == 1 else 's'} {status} already, the most one user may have at once on this "
-            f"server ({setting}={limit}); wait for one to end, or cancel one. Nothing was stored."))
+            f"You have {runs} {status} already, the most one user may have at once on this server "
+            f"({setting}={limit}); wait for one to end, or cancel one. Nothing was stored."))
     spent = steps_today(conn, user, now)
     if spent >= limits.steps_per_day:
         raise SophosError(errors.STEP_BUDGET_SPENT, (
