@@ -96,6 +96,26 @@ def test_another_host_s_lease_is_read_on_the_database_s_clock(url):
     store.close()
 
 
+def test_a_gone_owner_frozen_inside_its_lease_renewal_does_not_hold_up_the_recovery_of_its_run(url):
+    """Its row is locked by its open transaction: the run is relabelled at once, the row kept for
+    a later look (waiting on it failed the recovery, and the resume with it, after lock_timeout)."""
+    store = PostgresStore(url)
+    store.create_conversation("c-1", "hello")
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO owners VALUES ('far-1', 'elsewhere', 'boot', 1, '', '', now() - interval '1 second', 0)")
+        conn.execute("INSERT INTO runs (id, conversation_id, status, started_at, owner_id)"
+                     " VALUES ('r-1', 'c-1', 'running', '', 'far-1')")
+    with psycopg.connect(url) as frozen:  # its renewal began, and then the process stopped
+        frozen.execute("UPDATE owners SET pid = pid WHERE id = 'far-1'")
+
+        assert store.recover() == 1
+
+        assert store.get_run("r-1").status == "interrupted"
+        assert ("far-1",) in query(url, "SELECT id FROM owners")  # kept: a later look forgets it
+        frozen.rollback()
+    store.close()
+
+
 def test_a_saver_whose_process_does_not_own_the_run_writes_nothing(url):
     owner, intruder = PostgresStore(url), PostgresStore(url)
     owner.start_run("r-1", "c-1", [{"id": "m-1", "content": "hello"}], title="hello")

@@ -504,7 +504,10 @@ class PostgresStore:
         ).fetchall()
         gone = [row["id"] for row in rows if owner_gone(_owner_row(row), self.owner)]
         if gone:
-            conn.execute("DELETE FROM owners WHERE id = ANY(%s)", (gone,))
+            # A row another session holds locked (a process frozen inside its lease renewal) is
+            # left for a later look: waiting on it would fail the recovery it tidies up after.
+            conn.execute("DELETE FROM owners WHERE id IN"
+                         " (SELECT id FROM owners WHERE id = ANY(%s) FOR UPDATE SKIP LOCKED)", (gone,))
 
     def recover(self, conversation_id: str | None = None, user_id: str | None = None) -> int:
         """Relabel `interrupted` the `running` runs whose owner is gone (as `Store.recover`); how many."""
