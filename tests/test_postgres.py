@@ -75,15 +75,19 @@ def test_processes_that_open_a_new_database_together_migrate_it_once(url):
         (len(PostgresSaver.MIGRATIONS),) * 2]
 
 
-def test_another_host_s_lease_is_read_on_the_database_s_clock(url):
-    store = PostgresStore(url)
+def a_run_of_another_host(store: PostgresStore, lease: str) -> None:
+    """Run `r-1` of conversation `c-1`, held by owner `far-1`, a process on another host (its pid
+    means nothing here) whose lease runs out at `lease`, SQL on the database's clock."""
     store.create_conversation("c-1", "hello")
     with store.transaction() as conn:
-        # A process on another host (its pid means nothing here) holds a run; its lease runs
-        # for an hour on the database's clock.
-        conn.execute("INSERT INTO owners VALUES ('far-1', 'elsewhere', 'boot', 1, '', '', now() + interval '1 hour', 0)")
+        conn.execute(f"INSERT INTO owners VALUES ('far-1', 'elsewhere', 'boot', 1, '', '', {lease}, 0)")
         conn.execute("INSERT INTO runs (id, conversation_id, status, started_at, owner_id)"
                      " VALUES ('r-1', 'c-1', 'running', '', 'far-1')")
+
+
+def test_another_host_s_lease_is_read_on_the_database_s_clock(url):
+    store = PostgresStore(url)
+    a_run_of_another_host(store, "now() + interval '1 hour'")
 
     assert store.recover() == 0
     assert store.get_run("r-1").status == "running"
@@ -100,11 +104,7 @@ def test_a_gone_owner_frozen_inside_its_lease_renewal_does_not_hold_up_the_recov
     """Its row is locked by its open transaction: the run is relabelled at once, the row kept for
     a later look (waiting on it failed the recovery, and the resume with it, after lock_timeout)."""
     store = PostgresStore(url)
-    store.create_conversation("c-1", "hello")
-    with store.transaction() as conn:
-        conn.execute("INSERT INTO owners VALUES ('far-1', 'elsewhere', 'boot', 1, '', '', now() - interval '1 second', 0)")
-        conn.execute("INSERT INTO runs (id, conversation_id, status, started_at, owner_id)"
-                     " VALUES ('r-1', 'c-1', 'running', '', 'far-1')")
+    a_run_of_another_host(store, "now() - interval '1 second'")
     with psycopg.connect(url) as frozen:  # its renewal began, and then the process stopped
         frozen.execute("UPDATE owners SET pid = pid WHERE id = 'far-1'")
 
