@@ -445,6 +445,10 @@ def classify_error(error: BaseException) -> tuple[str, str]:
         return errors.MODEL_UNAVAILABLE, error.message()
     if isinstance(error, SophosError):  # e.g. a CONFIG_ERROR met while the run was under way
         return error.code, error.message
+    if errors.database_unavailable(error):
+        return errors.DATABASE_UNAVAILABLE, (
+            f"The database became unavailable during the run ({str(error).strip() or type(error).__name__}); "
+            "every step it saved stands: resume once the database is back.")
     return errors.AGENT_FAILURE, str(error) or type(error).__name__ or "Agent failed"
 
 

@@ -23,11 +23,14 @@ asked to replay events that the run's bounded buffer no longer keeps (reload the
 and follow again from the events still kept). Users of one server: `TOO_MANY_RUNS` refuses a run
 beyond a user's running or queued limit, and `STEP_BUDGET_SPENT` both refuses a run of a user
 whose runs have taken their day's steps and ends a run that used the steps its user had left
-(resumable, like `RECURSION_LIMIT`).
+(resumable, like `RECURSION_LIMIT`). `DATABASE_UNAVAILABLE`: PostgreSQL cannot be reached (down,
+restarting, or the connection was cut); a request refused with it wrote nothing and may be sent
+again (HTTP 503 with `Retry-After`), and a run it stopped keeps every step it saved (resumable).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 AGENT_FAILURE = "AGENT_FAILURE"
@@ -56,6 +59,9 @@ APPROVAL_MISMATCH = "APPROVAL_MISMATCH"
 GATE_DECIDED = "GATE_DECIDED"
 TOO_MANY_RUNS = "TOO_MANY_RUNS"
 STEP_BUDGET_SPENT = "STEP_BUDGET_SPENT"
+DATABASE_UNAVAILABLE = "DATABASE_UNAVAILABLE"
+DATABASE_RETRY_AFTER_SECONDS = 2
+"""What a refusal with `DATABASE_UNAVAILABLE` tells the client to wait before asking again."""
 
 RECURSION_LIMIT_MESSAGE = "The agent reached its step limit (AGENT_RECURSION_LIMIT) without finishing."
 # What a MODEL_UNAVAILABLE run records: the model, the server and Ollama's own words, e.g.
@@ -81,3 +87,23 @@ class SophosError(Exception):
 
     def to_dict(self) -> dict[str, str]:
         return {"code": self.code, "message": self.message}
+
+
+def database_unavailable(error: BaseException) -> bool:
+    """Does `error` say PostgreSQL could not be reached, rather than that a request was wrong?
+
+    A connection that failed or was cut (no SQLSTATE, class 08), the server shutting down,
+    crashed or still starting (class 57P: `pg_terminate_backend`, a restart), a pool with no
+    connection to give, or the kit's own `DATABASE_UNAVAILABLE`. Not a lock timeout, a full disk
+    or a constraint: those are answers of a server that is up.
+    """
+    if isinstance(error, SophosError):
+        return error.code == DATABASE_UNAVAILABLE
+    psycopg = sys.modules.get("psycopg")  # never imported: not a PostgreSQL error
+    if psycopg is None or not isinstance(error, psycopg.OperationalError):
+        return False
+    pool = sys.modules.get("psycopg_pool")
+    if pool is not None and isinstance(error, pool.PoolTimeout):
+        return True
+    state = getattr(error, "sqlstate", None)
+    return state is None or state.startswith(("08", "57P"))

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -33,7 +34,7 @@ from ..runtime.service import AgentService
 from ..runtime.settings import Settings, positive
 from .auth import BearerToken
 from .routes import API, ExactRoute
-from .wire import INTERNAL_ERROR, METHOD_NOT_ALLOWED, error_response, refusal
+from .wire import INTERNAL_ERROR, METHOD_NOT_ALLOWED, error_response, refusal, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,10 @@ def create_app(settings: Settings, options: ServerOptions | None = None) -> Star
     app = Starlette(
         routes=[*API, ExactRoute("/", web_page, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC))],
         middleware=[Middleware(BearerToken, token=options.token)],
-        exception_handlers={SophosError: _refused, HTTPException: _http_error, Exception: _failed},
+        # psycopg's errors are answered here (Starlette re-raises what reaches `Exception`'s handler,
+        # and the server logs it as a crash): an unreachable database is a 503, not a 500.
+        exception_handlers={SophosError: _refused, HTTPException: _http_error, psycopg.OperationalError: _failed,
+                            Exception: _failed},
         lifespan=lifespan,
     )
     app.state.service = service
@@ -128,6 +132,9 @@ async def _http_error(request: Request, error: Exception) -> Response:
 
 
 async def _failed(request: Request, error: Exception) -> Response:
+    if errors.database_unavailable(error):  # a route's or the token check's: ask again, not a 500
+        log.warning("%s %s: the database is unavailable: %s", request.method, request.url.path, error)
+        return unavailable(error)
     log.error("%s %s failed", request.method, request.url.path, exc_info=error)
     # The details (SQL, paths) go to the server's log, not to a client that may be off loopback.
     return error_response(INTERNAL_ERROR, f"The server failed on {request.method} {request.url.path}; its log says why.")

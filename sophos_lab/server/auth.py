@@ -19,8 +19,8 @@ from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..runtime import users
-from .wire import UNAUTHORIZED, error_response
+from ..runtime import errors, users
+from .wire import UNAUTHORIZED, error_response, unavailable
 
 PAGE_PATHS = re.compile(r"/(static/.*)?")
 """The web page's files: public, with no data in them."""
@@ -60,7 +60,13 @@ class BearerToken:
         if scope["type"] != "http" or self._public(scope):
             await self.app(scope, receive, send)
             return
-        user, refusal = self._who(scope)
+        try:
+            user, refusal = self._who(scope)
+        except Exception as error:  # the users table cannot be read: who this is is not known
+            if not errors.database_unavailable(error):
+                raise
+            await unavailable(error)(scope, receive, send)
+            return
         if refusal is not None:
             response = error_response(UNAUTHORIZED, refusal, {"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)

@@ -190,7 +190,9 @@ async def list_conversations(request: Request) -> Response:
         conversations = service_of(request).list_conversations()
     except SophosError:
         raise
-    except Exception:
+    except Exception as error:
+        if errors.database_unavailable(error):
+            raise
         log.exception("could not list the conversations")
         return error_response(FETCH_ERROR, "Failed to fetch conversations")
     return JSONResponse({"conversations": [conversation_summary(c) for c in conversations]})
@@ -202,7 +204,9 @@ async def get_conversation(request: Request) -> Response:
         detail = await service_of(request).get_conversation(conversation)
     except SophosError:
         raise
-    except Exception:
+    except Exception as error:
+        if errors.database_unavailable(error):
+            raise
         log.exception("could not load conversation %s", conversation)
         return error_response(LOAD_ERROR, "Failed to load conversation")
     return JSONResponse(conversation_detail(detail))
@@ -282,8 +286,18 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """Does `OLLAMA_HOST` answer and list `OLLAMA_MODEL`? Advisory: runs are accepted either way."""
-    readiness = await check_model_async(service_of(request).settings)
+    """Does PostgreSQL (with `DATABASE_URL`) answer, and does `OLLAMA_HOST` answer and list
+    `OLLAMA_MODEL`? The model is advisory: runs are accepted either way. The database is not:
+    while it is unavailable every route answers 503 `DATABASE_UNAVAILABLE`."""
+    settings = service_of(request).settings
+    if settings.database_url:
+        from ..runtime.postgres import unreachable
+
+        if (why := await unreachable(settings.database_url)) is not None:
+            return JSONResponse({"status": "error", "code": errors.DATABASE_UNAVAILABLE,
+                                 "message": f"The database is unavailable: {why}"}, 503,
+                                {"Retry-After": str(errors.DATABASE_RETRY_AFTER_SECONDS)})
+    readiness = await check_model_async(settings)
     if readiness.ok:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "error", "message": readiness.message}, 503)

@@ -44,13 +44,25 @@ STATUS = {
     errors.IDEMPOTENCY_KEY_REUSED: 422,
     errors.SHUTDOWN: 503,
     errors.STORAGE_FULL: 507,  # Insufficient Storage: nothing was written; free space, then retry
+    errors.DATABASE_UNAVAILABLE: 503,  # nothing was written; ask again after Retry-After
 }
 """HTTP status per error code; any other code (CONFIG_ERROR, SCHEMA_TOO_NEW, …) is a 500."""
 
 
 def error_response(code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """`{"error": {"code", "message"}}` with the code's status."""
+    """`{"error": {"code", "message"}}` with the code's status (and `Retry-After` when the
+    database is unavailable: the client should ask again, not give up)."""
+    if code == errors.DATABASE_UNAVAILABLE:
+        headers = {"Retry-After": str(errors.DATABASE_RETRY_AFTER_SECONDS), **(headers or {})}
     return JSONResponse({"error": {"code": code, "message": message}}, STATUS.get(code, 500), headers)
+
+
+def unavailable(error: BaseException) -> JSONResponse:
+    """The 503 for a request that met an unreachable database."""
+    return error_response(errors.DATABASE_UNAVAILABLE, (
+        "The database is unavailable (restarting, or the connection was lost), so this request may not "
+        f"have been recorded. Ask again in {errors.DATABASE_RETRY_AFTER_SECONDS} s; with the same "
+        "Idempotency-Key, a request that did get through is answered as the first time."))
 
 
 def refusal(error: SophosError) -> JSONResponse:
