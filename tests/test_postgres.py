@@ -25,7 +25,7 @@ from sophos_lab.cli import doctor
 from sophos_lab.lab import postgres_server
 from sophos_lab.lab.children import child_environment
 from sophos_lab.runtime import postgres
-from sophos_lab.runtime.errors import CONFIG_ERROR, NOT_FOUND, SESSION_IN_PROGRESS, SophosError
+from sophos_lab.runtime.errors import CONFIG_ERROR, DATABASE_UNAVAILABLE, NOT_FOUND, SESSION_IN_PROGRESS, SophosError
 from sophos_lab.runtime.postgres import PostgresStore
 from sophos_lab.runtime.store import Gate, ListingPosition, encode_cursor
 from sophos_lab.runtime.service import AgentService
@@ -185,7 +185,7 @@ def test_a_database_url_that_is_not_postgresql_or_cannot_be_reached_is_a_clear_e
     store = PostgresStore(unreachable)
     with pytest.raises(SophosError) as gone:
         store.conn  # noqa: B018
-    assert gone.value.code == CONFIG_ERROR and "Cannot reach the database" in gone.value.message
+    assert gone.value.code == DATABASE_UNAVAILABLE and "Cannot reach the database" in gone.value.message
     assert not (tmp_path / "x.db").exists()
 
 
@@ -363,10 +363,8 @@ def test_a_store_whose_connection_the_server_ended_opens_again_as_the_same_owner
     store = PostgresStore(url)
     store.create_conversation("c-1", "hello")
     owner = store.owner.id
-    query(url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+    query(url, "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = current_database()"
                " AND pid != pg_backend_pid()")
-    with pytest.raises(psycopg.OperationalError):
-        store.get_conversation("c-1")  # the call that finds the connection gone fails ...
-    assert store.get_conversation("c-1").title == "hello"  # ... and the next one opens again
+    assert store.get_conversation("c-1").title == "hello"  # the hung-up connection is seen and opened again
     assert store.owner.id == owner
     store.close()

@@ -368,6 +368,8 @@ class LabPoolWorker:
         self.stopped_at: tuple[int, int] | None = None
         """With `SOPHOS_LAB_STOP_AFTER_EVENT=N`, once it has stopped itself: `(N, M)`, M the
         highest event id its run had published (its graph's position; events N+1 to M unwritten)."""
+        self.stopped_point: str | None = None
+        """With `SOPHOS_LAB_STOP_AT=<point>`, once it has stopped itself there: that point."""
         self._stop_line = threading.Event()
 
     @property
@@ -391,7 +393,10 @@ class LabPoolWorker:
                     self.owner = fields["owner"]
                     ready.set()
                 elif line.startswith(STOPPED):
-                    self.stopped_at = int(fields["after"]), int(fields["published"])
+                    if "at" in fields:  # SOPHOS_LAB_STOP_AT: a named point of the run's life
+                        self.stopped_point = fields["at"]
+                    else:
+                        self.stopped_at = int(fields["after"]), int(fields["published"])
                     self._stop_line.set()
             ready.set()
             self._stop_line.set()
@@ -413,8 +418,8 @@ class LabPoolWorker:
         return self.returncode
 
     def wait_stopped(self, timeout: float = 60.0) -> tuple[int, int]:
-        """Block until the worker has stopped itself at its stop point (`SOPHOS_LAB_STOP_AFTER_EVENT`),
-        a barrier; `stopped_at`."""
+        """Block until the worker has stopped itself at its stop point (`SOPHOS_LAB_STOP_AFTER_EVENT`
+        or `SOPHOS_LAB_STOP_AT`), a barrier; `stopped_at` (None for a named point)."""
         assert self.proc is not None
         if not self._stop_line.wait(timeout):
             raise TimeoutError(f"the worker did not reach its stop point within {timeout} s; see {self.log_path}")
@@ -422,7 +427,7 @@ class LabPoolWorker:
             wait_stopped(self.proc, timeout)
         except ChildProcessError as error:
             raise ChildFailed(str(error)) from None
-        assert self.stopped_at is not None
+        assert self.stopped_at is not None or self.stopped_point is not None
         return self.stopped_at
 
     def freeze(self) -> None:

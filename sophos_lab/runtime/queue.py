@@ -15,7 +15,10 @@ rows from the id its client has. Persist, then notify, holds: the worker publish
 facts only after its checkpoint committed, and a row is in the table before anyone is told.
 `run_events` is UNLOGGED: a crash of the database server empties it (what is lost is a replay
 of events, never state: the checkpoints, runs and gates are logged tables, and a client that
-cannot replay reloads the conversation). It is bounded: a run keeps its latest `EVENT_BUFFER`
+cannot replay reloads the conversation). The id of a run's latest event is kept in its logged
+row too (`runs.last_event_id`, written with each append), so a run that goes on after such a
+crash numbers its events after those its followers hold, never from 1 again, and a follower
+whose next event was lost is told `REPLAY_GONE` instead of skipping it. It is bounded: a run keeps its latest `EVENT_BUFFER`
 events, and a conversation keeps only its latest run's.
 
 A worker that died, or whose lease ran out, cannot write its run's final event: the process that
@@ -56,8 +59,9 @@ READ_CONNECTIONS = 10
 WRITE_ATTEMPTS = 35
 """A worker's tries at writing a batch of events (about a minute, the waits doubling up to 2 s)."""
 STOPPED = "worker stopped"
-"""With a stop point (crash tests): the line a worker prints, `after=N published=M`, just before
-it SIGSTOPs itself."""
+"""With a stop point (crash and fault tests): the line a worker prints, `after=N published=M`
+(`SOPHOS_LAB_STOP_AFTER_EVENT`) or `at=<point>` (`SOPHOS_LAB_STOP_AT`), just before it SIGSTOPs
+itself."""
 
 
 def event_row(run_id: str, conversation_id: str, event: Event) -> tuple[Any, ...]:
@@ -78,6 +82,7 @@ def queue_started(conn: psycopg.Connection, run_id: str, conversation_id: str, r
     started = Event(1, "started", {"conversation": conversation_id, "run": run_id, "resume": resume})
     conn.execute("INSERT INTO run_events (run_id, id, conversation_id, event, data) VALUES (%s, %s, %s, %s, %s)",
                  event_row(run_id, conversation_id, started))
+    conn.execute("UPDATE runs SET last_event_id = 1 WHERE id = %s", (run_id,))
     conn.execute("SELECT pg_notify(%s, %s), pg_notify(%s, %s)",
                  (QUEUE_CHANNEL, run_id, EVENTS_CHANNEL, f"{run_id} 1"))
 
@@ -129,13 +134,16 @@ def close_events(conn: psycopg.Connection, runs: Iterable[dict]) -> None:
             if gate is not None and gate["decisions"] is None:
                 data["approval"] = {"gate": gate["id"], "calls": json.loads(gate["calls"])}
         last = conn.execute(
-            "SELECT max(id) AS last, bool_or(event = ANY(%s)) AS ended FROM run_events WHERE run_id = %s",
-            (list(_TERMINAL), run["id"])).fetchone()
-        if last["last"] is None or last["ended"]:
-            continue  # not a worker's run (no events kept), or its final event is there
-        final = Event(last["last"] + 1, name, data)
+            "SELECT max(id) AS kept, bool_or(event = ANY(%s)) AS ended,"
+            " (SELECT last_event_id FROM runs WHERE id = %s) AS given FROM run_events WHERE run_id = %s",
+            (list(_TERMINAL), run["id"], run["id"])).fetchone()
+        given = max(last["kept"] or 0, last["given"] or 0)
+        if not given or last["ended"]:
+            continue  # not a worker's run (it gave no event), or its final event is there
+        final = Event(given + 1, name, data)
         conn.execute("INSERT INTO run_events (run_id, id, conversation_id, event, data) VALUES (%s, %s, %s, %s, %s)",
                      event_row(run["id"], run["conversation_id"], final))
+        conn.execute("UPDATE runs SET last_event_id = %s WHERE id = %s", (final.id, run["id"]))
         conn.execute("SELECT pg_notify(%s, %s)", (EVENTS_CHANNEL, f"{run['id']} {final.id}"))
 
 
@@ -162,12 +170,15 @@ def request_cancel(conn: psycopg.Connection, run_id: str, now: str) -> bool:
 
 
 def event_span(conn: psycopg.Connection, run_id: str) -> tuple[int, int]:
-    """`(dropped, last_id)` of the run's kept events: ids `dropped + 1` to `last_id` are kept."""
-    row = conn.execute("SELECT min(id) AS first, max(id) AS last FROM run_events WHERE run_id = %s",
-                       (run_id,)).fetchone()
+    """`(dropped, last_id)` of the run's events: `last_id` is the latest it gave (0: none), and
+    ids `dropped + 1` to `last_id` are kept (none when a crash of the server emptied the table)."""
+    row = conn.execute(
+        "SELECT min(id) AS first, max(id) AS last, (SELECT last_event_id FROM runs WHERE id = %s) AS given"
+        " FROM run_events WHERE run_id = %s", (run_id, run_id)).fetchone()
+    given = max(row["last"] or 0, row["given"] or 0)
     if row["last"] is None:
-        return 0, 0
-    return row["first"] - 1, row["last"]
+        return given, given
+    return row["first"] - 1, given
 
 
 # a worker's side (async, on its saver's pool)
@@ -180,7 +191,7 @@ async def append_events(conn: psycopg.AsyncConnection, owner_id: str, run_id: st
     async with conn.transaction():
         row = await (await conn.execute(
             "SELECT owner_id, seq = (SELECT max(seq) FROM runs later WHERE later.conversation_id = runs.conversation_id)"
-            " AS latest FROM runs WHERE id = %s FOR SHARE", (run_id,))).fetchone()
+            " AS latest FROM runs WHERE id = %s FOR NO KEY UPDATE", (run_id,))).fetchone()
         ended = await (await conn.execute(
             "SELECT 1 FROM run_events WHERE run_id = %s AND event = ANY(%s) LIMIT 1",
             (run_id, list(_TERMINAL)))).fetchone()
@@ -197,6 +208,8 @@ async def append_events(conn: psycopg.AsyncConnection, owner_id: str, run_id: st
             " SELECT %s, id, %s, event, data FROM unnest(%s::int[], %s::text[], %s::text[]) AS t(id, event, data)"
             " ON CONFLICT DO NOTHING",
             (run_id, conversation_id, [row[1] for row in rows], [row[3] for row in rows], [row[4] for row in rows]))
+        await conn.execute("UPDATE runs SET last_event_id = GREATEST(last_event_id, %s) WHERE id = %s",
+                           (events[-1].id, run_id))
         if keep is not None:
             await conn.execute("DELETE FROM run_events WHERE run_id = %s AND id <= %s", (run_id, events[-1].id - keep))
         await conn.execute("SELECT pg_notify(%s, %s)", (EVENTS_CHANNEL, f"{run_id} {events[-1].id}"))
@@ -310,10 +323,11 @@ class EventFeed:
             from psycopg.rows import dict_row
             from psycopg_pool import AsyncConnectionPool
 
-            from .postgres import SESSION_OPTIONS
+            from .postgres import RECONNECT_SECONDS, SESSION_OPTIONS
 
             self._ready = asyncio.Event()
-            self._pool = AsyncConnectionPool(self.url, min_size=1, max_size=READ_CONNECTIONS, open=False, kwargs={
+            self._pool = AsyncConnectionPool(self.url, min_size=1, max_size=READ_CONNECTIONS, open=False,
+                                             reconnect_timeout=RECONNECT_SECONDS, kwargs={
                 "autocommit": True, "row_factory": dict_row, "prepare_threshold": None, "options": SESSION_OPTIONS})
             await self._pool.open(wait=True)
             self._task = asyncio.get_running_loop().create_task(self._listen())
@@ -327,13 +341,15 @@ class EventFeed:
                 (run_id, after))).fetchall()
         return [_decode(row) for row in rows]
 
-    async def kept(self, run_id: str) -> tuple[int | None, bool]:
-        """The id of the run's latest kept event (None: none kept), and whether its final event is kept."""
+    async def kept(self, run_id: str) -> tuple[int | None, bool, int]:
+        """The id of the run's latest kept event (None: none kept), whether its final event is
+        kept, and the id of the latest event it gave (`runs.last_event_id`: kept or not)."""
         async with self._pool.connection() as conn:
             row = await (await conn.execute(
-                "SELECT max(id) AS last, coalesce(bool_or(event = ANY(%s)), false) AS ended"
-                " FROM run_events WHERE run_id = %s", (list(_TERMINAL), run_id))).fetchone()
-        return row["last"], row["ended"]
+                "SELECT max(id) AS last, coalesce(bool_or(event = ANY(%s)), false) AS ended,"
+                " (SELECT last_event_id FROM runs WHERE id = %s) AS given"
+                " FROM run_events WHERE run_id = %s", (list(_TERMINAL), run_id, run_id))).fetchone()
+        return row["last"], row["ended"], max(row["last"] or 0, row["given"] or 0)
 
     def waiter(self, run_id: str) -> asyncio.Event:
         """Set by the next notification for the run (take it before reading, then wait on it)."""
@@ -398,6 +414,7 @@ class RemoteRun:
             woken = self.feed.waiter(self.id)  # before reading: a notice after the read wakes it
             try:
                 events = await self.feed.read(self.id, last)
+                kept = await self.feed.kept(self.id) if not events and last > 0 else None
             except psycopg.OperationalError:  # the pool busy or a connection lost: read again
                 log.warning("could not read the events of run %s; reading again", self.id, exc_info=True)
                 await asyncio.sleep(0.2)  # a backoff, not a barrier
@@ -414,16 +431,19 @@ class RemoteRun:
                     return
             if events:
                 continue
-            if last > 0:
-                kept, ended = await self.feed.kept(self.id)
-                if kept is None or kept < last:
-                    raise SophosError(errors.REPLAY_GONE, (
-                        f"The events of run {self.id} are no longer kept (the conversation has a newer run, "
-                        "or the database server restarted). Reload the conversation."))
-                if ended and kept <= last:
-                    return  # the follower has the final event already: nothing more will come
-                if kept > last:
+            if kept is not None:
+                latest, ended, given = kept
+                if latest is not None and latest > last:
                     continue  # appended since the read: read them
+                if given != last:
+                    # Events after `last` were given and none is kept (the conversation has a newer
+                    # run, or a crash of the server emptied the table), or `last` is no id of this run.
+                    raise SophosError(errors.REPLAY_GONE, (
+                        f"Events after {last} of run {self.id} are not kept (the run gave {given}; the "
+                        "conversation has a newer run, or the database server restarted). Reload the "
+                        "conversation."))
+                if ended:
+                    return  # the follower has the final event already: nothing more will come
             try:
                 await asyncio.wait_for(woken.wait(), self.look_seconds)
             except TimeoutError:

@@ -25,6 +25,7 @@ import json
 import logging
 import re
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -220,6 +221,10 @@ class ActiveRun:
     first; it may have finished long ago, and then holds its `started` and final events only."""
     sink: Callable[[str, str, Event], None] | None = None
     """A worker's: given each event as it is published, to write it where every server reads it."""
+    began: float = field(default_factory=time.monotonic)
+    """When this process took the run on."""
+    overdue: bool = False
+    """Stopped for running longer than its steps can take (`AgentService.overdue_seconds`)."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, name: str, data: Any) -> Event:
@@ -315,9 +320,17 @@ class AgentService:
         self._unrecorded: dict[str, str] = {}
         """run id → conversation: this process's runs whose outcome it could not write (a full
         disk). Their rows say `running` under a live owner, which recovery leaves alone: they are
-        relabelled `interrupted` here, as a crash's are, once the disk has room again."""
+        relabelled `interrupted` here, as a crash's are, once the disk has room again (at the
+        conversation's next start or look, or the lease keeper's next round)."""
+        self._strays_possible = False
+        """A write of a run's life failed (a claim, a start, an outcome): a run may be `running`
+        under this owner with no task working on it. The lease keeper looks until none is."""
         self._feed = None
         """PostgreSQL with workers: the `LISTEN` connection that wakes followers of remote runs."""
+        self.at_point: Callable[[str], None] | None = None
+        """Called by name just before the database calls of a run's life that a fault may hit:
+        `claimed` (a worker's claim committed, nothing read yet), `owner`, `budget` and `outcome`.
+        Fault tests stop the database there (`SOPHOS_LAB_STOP_AT` stops a worker itself)."""
         self.on_write: WriteObserver | None = None
         """Called right after each commit a run makes, in order, before any event tells of it:
         the run's row, each task's pending writes, each checkpoint, the outcome (see
@@ -816,6 +829,10 @@ class AgentService:
             del self._unrecorded[run_id]
         return count
 
+    def _point(self, name: str) -> None:
+        if self.at_point is not None:
+            self.at_point(name)
+
     def _observe(self, write: DurableWrite) -> None:
         if self.on_write is not None:
             try:
@@ -877,7 +894,12 @@ class AgentService:
         def start() -> None:
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
             self._relabel_unrecorded(conversation_id, refuse=True)
-            self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision)
+            try:
+                self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision)
+            except Exception as error:
+                # The commit may have landed with its answer lost: a run of ours with no task.
+                self._note_stray(error)
+                raise
             self.active[conversation_id] = run
             self._observe(DurableWrite("run", conversation_id))
 
@@ -932,34 +954,59 @@ class AgentService:
             return None  # no events kept, or a finished run the client has every event of
         return self._remote(latest.id, conversation_id, latest.input is None)
 
-    async def start_claimed(self, row: Run, sink: Callable[[str, str, Event], None]) -> ActiveRun:
-        """As a worker: run a run this process claimed from the queue, with the input `resume()`
-        would work out for it (the accepted messages if they never reached the thread, a recorded
-        gate decision, else the thread's `next`). Its events go to `sink`, numbered after those
-        its row already has (`started`, written when it was queued)."""
+    async def claim(self, sink: Callable[[str, str, Event], None]) -> ActiveRun | None:
+        """As a worker: claim the next queued run and run it, with the input `resume()` would work
+        out for it (the accepted messages if they never reached the thread, a recorded gate
+        decision, else the thread's `next`); None when there is none to claim. Its events go to
+        `sink`, numbered after those it gave already (`started`, written when it was queued).
+
+        The claim and the run's place in `active` are one step under the lock, so the lease
+        keeper never finds the run claimed and unattended; every database call after it is in
+        the run's task, which records an outcome or gives the run up, whatever fails."""
         graph = await self._graph_ready()
-        _, last = self.store.event_span(row.id)
-        run = ActiveRun(id=row.id, conversation=row.conversation_id, resume=row.input is None,
-                        keep=self.settings.event_buffer, dropped=last, sink=sink)
-        self.active[row.conversation_id] = run
+
+        def claim() -> tuple[ActiveRun, Run] | None:
+            try:
+                row = self.store.claim_run()
+            except Exception as error:
+                self._note_stray(error)  # the claim may have committed with its answer lost
+                raise
+            if row is None:
+                return None
+            run = ActiveRun(id=row.id, conversation=row.conversation_id, resume=row.input is None,
+                            keep=self.settings.event_buffer, sink=sink)
+            self.active[row.conversation_id] = run
+            return run, row
+
+        claimed = await self._write(claim)
+        if claimed is None:
+            return None
+        run, row = claimed
         self._keep_lease()
-        try:
-            state = await graph.aget_state(thread_config(row.conversation_id))
-        except BaseException:
-            # Not started: relabelled now, as a crash's run would be (if even that fails, when
-            # this worker exits or its lease runs out), so the conversation is not left stuck.
-            self.active.pop(row.conversation_id, None)
-            with contextlib.suppress(Exception):
-                await self._write(self.store.relabel, [row.id])
-            raise
-        pending = self._pending_input(row.conversation_id, state.metadata)
-        graph_input = None
-        if pending:
-            graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in pending]}
-        elif (decided := self._decided_gate(row.conversation_id, state.interrupts)) is not None:
-            graph_input = Command(resume={decided.id: decided.decisions})
-        run.task = asyncio.create_task(self._execute(run, graph, graph_input, fold=bool(pending)))
+        run.task = asyncio.create_task(self._execute_claimed(run, row, graph))
         return run
+
+    async def _execute_claimed(self, run: ActiveRun, row: Run, graph: Any) -> None:
+        try:
+            self._point("claimed")
+            run.dropped = self.store.event_span(row.id)[1]  # ids go on after those it gave
+            state = await graph.aget_state(thread_config(row.conversation_id))
+            pending = self._pending_input(row.conversation_id, state.metadata)
+            graph_input = None
+            if pending:
+                graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in pending]}
+            elif (decided := self._decided_gate(row.conversation_id, state.interrupts)) is not None:
+                graph_input = Command(resume={decided.id: decided.decisions})
+        except Exception as error:
+            # Not started: given up now, as a crash's run would be (re-queued or relabelled, its
+            # final event written), or, if even that fails, by the lease keeper once it can.
+            log.warning("could not start claimed run %s; giving it up", row.id, exc_info=True)
+            self.active.pop(row.conversation_id, None)
+            self._note_stray(error)
+            with contextlib.suppress(Exception):
+                await self._write(self._give_up_strays)
+            return
+        await self._execute(run, graph, graph_input, fold=bool(pending))
 
     def cancel_here(self, run_id: str) -> None:
         """As a worker: another process recorded a cancel of this run (`queue.request_cancel`):
@@ -978,26 +1025,111 @@ class AgentService:
         self._lease_keeper = asyncio.create_task(self._renew_lease())
 
     async def _renew_lease(self) -> None:
-        """While this process has runs, renew its lease; a run taken over stops at its next step."""
+        """While this process has runs, renew its lease; a run taken over stops at its next step.
+        Each round also gives up this owner's runs that no task works on (`_give_up_strays`) and
+        stops a run that has run longer than its steps can take (`overdue_seconds`)."""
         def renew() -> list[ActiveRun]:
             # Under the lock, so a run is either recorded already or still ours to vouch for.
             runs = [run for run in self.active.values() if not run.recorded]
             lost = self.store.renew_lease([run.id for run in runs])
             return [run for run in runs if run.id in lost]
 
-        while self.active:
+        while self.active or self._strays_possible:
             await asyncio.sleep(self.settings.lease_seconds / 3)
             try:
                 lost = await self._write(renew)
             except Exception:
-                log.exception("could not renew the lease of %s", self.store.owner)
+                log.warning("could not renew the lease of %s", self.store.owner, exc_info=True)
                 continue
             for run in lost:
                 if not run.lost:
                     run.lost = True
                     run.control.request_drain("ownership lost")
+            if self._strays_possible:
+                try:
+                    await self._write(self._give_up_strays)
+                except Exception:
+                    log.warning("could not give up the runs no task works on; trying again", exc_info=True)
+            self._stop_overdue()
+
+    def _note_stray(self, error: BaseException) -> None:
+        """A write of a run's life failed: a run may now be ours with no task on it."""
+        self._strays_possible = True
+        self._keep_lease()
+
+    def _give_up_strays(self) -> int:
+        """Give up the runs `running` under this owner that no task of this process works on: a
+        claim or a start whose commit landed but whose answer was lost, a claimed run whose
+        start failed, an outcome that could not be written. Re-queued or relabelled as a gone
+        owner's are (`store.give_up`), so no conversation stays refused behind a live process.
+        Under the lock: a run is in `active` from the write that makes it ours."""
+        working = {run.id for run in self.active.values() if run.task is None or not run.task.done()}
+        strays = [run_id for run_id in self.store.owned_runs() if run_id not in working]
+        given_up = self.store.give_up(strays) if strays else 0
+        for run_id in strays:
+            self._unrecorded.pop(run_id, None)
+        self._strays_possible = False
+        if given_up:
+            log.warning("gave up %d run(s) no task of this process works on: %s", given_up, ", ".join(strays))
+        return given_up
+
+    def overdue_seconds(self) -> float:
+        """The longest a run can take: its step limit, each step at its time limit for each of
+        its attempts (the model's and the tools' alternate), and a lease for the outcome."""
+        step = (self.settings.model_timeout_seconds * self.settings.model_attempts
+                + self.settings.tool_timeout_seconds * self.settings.tool_attempts) / 2
+        return self.settings.recursion_limit * step + self.settings.lease_seconds
+
+    def _stop_overdue(self) -> None:
+        now = time.monotonic()
+        for run in list(self.active.values()):
+            if (run.task is not None and not run.task.done() and not run.overdue
+                    and now - run.began > self.overdue_seconds()):
+                log.warning("run %s has run longer than it can (%.0f s): stopping it", run.id, self.overdue_seconds())
+                run.overdue = True
+                run.task.cancel()
 
     async def _execute(self, run: ActiveRun, graph: Any, graph_input: Any, fold: bool = False) -> None:
+        """The run's life after its row: the graph, the outcome, the final event. Whatever fails,
+        the run leaves `active`, and a run left without a recorded outcome is given up by the
+        lease keeper (`_give_up_strays`), never held by this live process for good."""
+        try:
+            await self._advance(run, graph, graph_input, fold)
+        finally:
+            if self.active.get(run.conversation) is run:
+                del self.active[run.conversation]
+            if not run.finished:
+                self._note_stray(None)
+                log.error("run %s stopped without its final event", run.id)
+                run.publish("chat-error", {
+                    "code": errors.AGENT_FAILURE, "conversation": run.conversation, "run": run.id,
+                    "message": ("The run stopped before its outcome was recorded; it is relabelled "
+                                "interrupted (resumable) as soon as the database can be written.")})
+
+    async def _while_unavailable(self, attempt: Callable[[], Any], what: str) -> Any:
+        """`await attempt()`, again and again while the database is unavailable (PostgreSQL
+        restarting: `errors.database_unavailable`), waiting 0.1 s, then twice as long each time
+        up to 2 s. Any other error is raised at once; so is a cancel (a shutdown)."""
+        wait = 0.1
+        while True:
+            try:
+                return await attempt()
+            except Exception as error:
+                if not errors.database_unavailable(error):
+                    raise
+                log.warning("the database is unavailable for %s (%s); trying again in %.1f s", what,
+                            str(error).strip() or type(error).__name__, wait)
+            await asyncio.sleep(wait)  # a backoff, not a barrier
+            wait = min(wait * 2, 2.0)
+
+    def _recorded_already(self, run_id: str, status: str, error: tuple[str, str] | None) -> bool:
+        """After an outcome write whose answer was lost (the connection cut at its commit), is
+        this outcome the one the row holds? Then it was written, and the retry found it so."""
+        row = self.store.get_run(run_id)
+        mine = self.store.owner is None or (row is not None and row.owner_id == self.store.owner.id)
+        return row is not None and mine and (row.status, row.error_code) == (status, error[0] if error else None)
+
+    async def _advance(self, run: ActiveRun, graph: Any, graph_input: Any, fold: bool) -> None:
         config = {
             **thread_config(run.conversation),
             "metadata": {"run_id": run.id},
@@ -1018,18 +1150,20 @@ class AgentService:
 
         watch = AttemptWatch(on_retry=retrying)
         ATTEMPT_WATCH.set(watch)  # this task's context, which the graph's tasks inherit
-        # The conversation's owner's own MCP servers serve its tools (a memory of theirs only);
-        # the owner comes from the row, never from the model.
-        owner = users.owner_of(self.store, run.conversation)
-        users.run_owner.set(owner)
-        budget = users.step_budget(self.store.conn, owner, self.settings.user_limits,
-                                   self.settings.recursion_limit, utc_now())
-        config["recursion_limit"] = budget.steps
-        self.tools.hold(owner)
-        asyncio.current_task().add_done_callback(lambda _: self.tools.release(owner))
-        status, error = "completed", None
+        status, error, budget = "completed", None, None
         run.in_graph = True
         try:
+            # The conversation's owner's own MCP servers serve its tools (a memory of theirs only);
+            # the owner comes from the row, never from the model.
+            self._point("owner")
+            owner = users.owner_of(self.store, run.conversation)
+            users.run_owner.set(owner)
+            self._point("budget")
+            budget = users.step_budget(self.store.conn, owner, self.settings.user_limits,
+                                       self.settings.recursion_limit, utc_now())
+            config["recursion_limit"] = budget.steps
+            self.tools.hold(owner)
+            asyncio.current_task().add_done_callback(lambda _: self.tools.release(owner))
             if fold:
                 await self._fold(graph, run)
             async for mode, chunk in graph.astream(
@@ -1042,9 +1176,15 @@ class AgentService:
             # A drain stopped it at a step boundary, or a cancel mid-step: cancel() or a
             # shutdown whose time to drain ran out.
             status, error = "interrupted", (errors.SHUTDOWN, errors.SHUTDOWN_MESSAGE)
+            if run.overdue:
+                status, error = "failed", (errors.TIMEOUT, (
+                    f"The run ran longer than its steps can take ({self.overdue_seconds():.0f} s) and was "
+                    "stopped; every step it saved stands."))
         except Exception as exc:
             status, error = "failed", classify_failure(exc, watch.gave_up, self.settings)
-            if error[0] == errors.RECURSION_LIMIT and budget.setting:
+            if error[0] == errors.DATABASE_UNAVAILABLE:
+                log.warning("run %s stopped: the database is unavailable (%s)", run.id, exc)
+            if error[0] == errors.RECURSION_LIMIT and budget is not None and budget.setting:
                 error = errors.STEP_BUDGET_SPENT, budget.message
             run.lost = run.lost or is_fenced(exc)
         finally:
@@ -1059,40 +1199,56 @@ class AgentService:
         # A completed run's last checkpoint is on the stream; after a failure, ask the saver what
         # was actually written.
         count = translator.message_count if status in ("completed", "waiting") else None
-        try:
-            if count is None:
+        attempts = 0
+
+        def record() -> bool:
+            nonlocal status, error, stopped_at
+            if run.cancel_requested:  # written before this, under the same lock: it wins
+                status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
+            recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at,
+                                             steps=steps)
+            if not recorded and not run.cancel_requested and self.store.cancel_requested(run.id):
+                # Another process recorded a cancel of this worker's run before this outcome.
+                run.cancel_requested = True
+                status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
+                recorded = self.store.finish_run(run.id, status, count, *error, gate=None, steps=steps)
+            if not recorded and attempts > 1:
+                recorded = self._recorded_already(run.id, status, error)
+            run.recorded = True
+            if recorded:
+                self._observe(DurableWrite("outcome", run.conversation, status=status))
+            return recorded
+
+        async def record_outcome() -> bool:
+            nonlocal count, attempts
+            attempts += 1
+            if attempts == 1:
+                self._point("outcome")
+            if count is None:  # after a failure, ask the saver what was actually written
                 count = await self._message_count(graph, run.conversation)
-
-            def record() -> bool:
-                nonlocal status, error, stopped_at
-                if run.cancel_requested:  # written before this, under the same lock: it wins
-                    status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
-                recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at,
-                                                 steps=steps)
-                if not recorded and not run.cancel_requested and self.store.cancel_requested(run.id):
-                    # Another process recorded a cancel of this worker's run before this outcome.
-                    run.cancel_requested = True
-                    status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
-                    recorded = self.store.finish_run(run.id, status, count, *error, gate=None, steps=steps)
-                run.recorded = True
-                if recorded:
-                    self._observe(DurableWrite("outcome", run.conversation, status=status))
-                return recorded
-
             write = asyncio.ensure_future(self._write(record))
             try:
-                recorded = await asyncio.shield(write)
+                return await asyncio.shield(write)
             except asyncio.CancelledError:  # a late shutdown cancel: let the write under way finish
-                recorded = await write
-            if not recorded:  # the run is another process's now: its record stands, not ours
-                run.lost = True
-        except Exception as exc:
-            # Not on disk, so not `end`: the row stays `running` until this process exits (then
-            # the next open relabels it) or its lease runs out.
-            log.exception("could not record the outcome of run %s", run.id)
+                return await write
+
+        try:
+            # Persist, then notify: while the database is unavailable, the outcome waits for it
+            # (followers get pings), and is written once it is back.
+            if not await self._while_unavailable(record_outcome, f"the outcome of run {run.id}"):
+                run.lost = True  # the run is another process's now: its record stands, not ours
+        except (Exception, asyncio.CancelledError) as exc:
+            # Not on disk, so not `end`: the row stays `running` under this live owner until the
+            # lease keeper gives it up (`_give_up_strays`: relabelled once the database can be
+            # written), or this process exits and the next open relabels it.
+            log.warning("could not record the outcome of run %s", run.id, exc_info=True)
             self._unrecorded[run.id] = run.conversation
-            code = exc.code if isinstance(exc, SophosError) else errors.AGENT_FAILURE  # STORAGE_FULL, say
-            status, error = "failed", (code, f"The run's outcome could not be recorded: {exc}")
+            self._note_stray(exc)
+            if isinstance(exc, asyncio.CancelledError) or errors.database_unavailable(exc):
+                code = errors.DATABASE_UNAVAILABLE
+            else:
+                code = exc.code if isinstance(exc, SophosError) else errors.AGENT_FAILURE  # STORAGE_FULL, say
+            status, error = "failed", (code, f"The run's outcome could not be recorded: {exc or 'the process stopped'}")
         gate.flush()
         if run.lost:
             error = (errors.OWNERSHIP_LOST, errors.OWNERSHIP_LOST_MESSAGE)
@@ -1105,7 +1261,6 @@ class AgentService:
                 run.publish("trace", {**(translator.waiting_step or {}), "event": "waiting",
                                       "data": {"gate": stopped_at.id, "calls": stopped_at.calls}})
             run.publish("end", self._end_data(run.conversation, run.id, status, stopped_at))
-        self.active.pop(run.conversation, None)
 
     async def _fold(self, graph: Any, run: ActiveRun) -> None:
         """Before this run's new input: checkpoint a step that a run before it finished (its writes

@@ -760,6 +760,15 @@ class Store:
         with self.transaction() as conn:
             return relabel_interrupted(conn, run_ids, self.path)
 
+    def owned_runs(self) -> list[str]:
+        """The ids of the runs `running` under this owner, whatever this process thinks it runs."""
+        return [row[0] for row in self.conn.execute(
+            "SELECT id FROM runs WHERE status = 'running' AND owner_id = ?", (self.owner.id,))]
+
+    give_up = relabel
+    """This owner's runs that no task of it works on any more, given up as a gone owner's are
+    (see `AgentService._give_up_strays`); on PostgreSQL a worker's may go back in the queue."""
+
     def renew_lease(self, run_ids: list[str]) -> set[str]:
         """Extend this owner's lease; the ids among `run_ids` it no longer owns (taken over)."""
         conn = self.conn

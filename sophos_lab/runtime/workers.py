@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import psycopg
 
-from .queue import CANCEL_CHANNEL, QUEUE_CHANNEL, EventWriter
+from .queue import CANCEL_CHANNEL, QUEUE_CHANNEL, STOPPED, EventWriter
 from .service import AgentService
 from .settings import Settings
 
@@ -56,8 +56,11 @@ async def run_worker(settings: Settings, concurrency: int = 1, stop: asyncio.Eve
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, terminate)
-    # SOPHOS_LAB_STOP_AFTER_EVENT=N (crash tests): stop after writing event N of the first run.
+    # SOPHOS_LAB_STOP_AFTER_EVENT=N (crash tests): stop after writing event N of the first run;
+    # SOPHOS_LAB_STOP_AT=<point> (database fault tests): stop at that point of its first run.
     stop_after = int(os.environ.get("SOPHOS_LAB_STOP_AFTER_EVENT") or 0)
+    if point := os.environ.get("SOPHOS_LAB_STOP_AT"):
+        service.at_point = _stop_once_at(point)
     writer = EventWriter(service._saver_conn, service.store.owner.id, settings.event_buffer, service._saver.lock,
                          stop_after)
     listening = asyncio.create_task(_listen(settings.database_url, service, wake))
@@ -81,21 +84,35 @@ async def run_worker(settings: Settings, concurrency: int = 1, stop: asyncio.Eve
     return 0
 
 
+def _stop_once_at(point: str):
+    """`AgentService.at_point` for a fault test: at `point`, the first time, say so on stdout
+    (`queue.STOPPED at=<point>`) and SIGSTOP this process, until the test sends SIGCONT."""
+    def at(name: str) -> None:
+        nonlocal point
+        if name == point:
+            point = ""
+            print(f"{STOPPED} at={name}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    return at
+
+
 async def _claim(service: AgentService, writer: EventWriter, concurrency: int, stop: asyncio.Event,
                  wake: asyncio.Event) -> None:
     while len(service.active) < concurrency and not stop.is_set():
-        row = await service._write(service.store.claim_run)
-        if row is None:
+        run = await service.claim(writer.add)
+        if run is None:
             return
-        run = await service.start_claimed(row, writer.add)
-        run.task.add_done_callback(lambda _: wake.set())
+        run.task.add_done_callback(lambda _: wake.set())  # room again, whatever ended the task
 
 
 async def _look(service: AgentService) -> None:
     """Every third of a lease: relabel gone owners' runs (another host's worker past its lease),
-    and stop a run whose cancel this worker was not told of (its LISTEN was reconnecting)."""
+    give up its own runs no task works on (a claim whose answer a database restart lost), and
+    stop a run whose cancel this worker was not told of (its LISTEN was reconnecting)."""
     try:
         await service._write(service.store.recover)
+        await service._write(service._give_up_strays)
         for run in list(service.active.values()):
             if not run.cancel_requested and service.store.cancel_requested(run.id):
                 service.cancel_here(run.id)
