@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 
 import httpx
 import pytest
 
 from sophos_lab.lab import postgres_server
-from sophos_lab.lab.children import sse_events
+from sophos_lab.lab.children import child_environment, sse_events
 from sophos_lab.lab.harness import Lab
 from sophos_lab.runtime.errors import CANCELLED, CONFIG_ERROR, SESSION_IN_PROGRESS, SophosError
 from sophos_lab.runtime.postgres import PostgresStore
@@ -300,3 +305,34 @@ def test_with_requeue_a_killed_worker_s_run_goes_back_in_the_queue_as_often_as_a
     assert server.wait_final()["data"]["status"] == "completed"
     assert lab.fetches("wal.html") == 1  # the fetch step, checkpointed before the first kill, ran once
     assert lab.state(conversation)["roles"] == ["user", "assistant", "tool", "assistant"]
+
+
+def test_worker_pool_says_how_many_runs_the_first_death_relabelled(lab):
+    """`sophos-lab worker-pool` relabels a dead worker's runs at once and says how many: 1 for the
+    run its first worker died holding (its first look opens the store, whose sweep does the work)."""
+    server = lab.server(**ON_WORKERS)
+    pool = subprocess.Popen([sys.executable, "-m", "sophos_lab.cli", "worker-pool", "--workers", "1"],
+                            env=child_environment(lab.env()), cwd=lab.root, stdout=subprocess.PIPE, text=True)
+    lines, ready, relabelled = [], threading.Event(), threading.Event()
+
+    def read() -> None:
+        for line in pool.stdout:
+            lines.append(line)
+            if line.startswith("worker ready"):
+                ready.set()
+            elif "relabelled" in line:
+                relabelled.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(60), lines
+        worker_pid = int(lines[0].split("pid=")[1])
+        conversation = hold_a_run(lab, server)
+        os.kill(worker_pid, signal.SIGKILL)
+        assert relabelled.wait(60), lines
+        assert f"worker pid {worker_pid} exited (-9); 1 run(s) relabelled" in "".join(lines), lines
+        assert runs(lab, conversation) == [("interrupted", None)]
+        lab.model.release()
+    finally:
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(60) == 0

@@ -415,6 +415,9 @@ class PostgresStore:
         self._conn: psycopg.Connection | None = None
         self._lock = threading.RLock()
         self.recovered_runs = 0
+        """The runs the latest open relabelled (its sweep: every gone owner's)."""
+        self.opens = 0
+        """How often the connection was opened (again after the server hung up), each with its sweep."""
 
     @property
     def is_open(self) -> bool:
@@ -473,6 +476,7 @@ class PostgresStore:
         )
 
     def _open_sweep(self) -> None:
+        self.opens += 1
         with self.transaction() as conn:
             self._lease(conn)
         if self.single_owner:

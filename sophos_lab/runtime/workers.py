@@ -178,7 +178,10 @@ def worker_pool(workers: int, concurrency: int = 1) -> int:
                     return 0
                 continue
             try:
+                opens = store.opens
                 relabelled = store.recover()
+                if store.opens != opens:  # this look opened the store, and its sweep did the work
+                    relabelled += store.recovered_runs
             except Exception as error:  # the others' next look relabels them instead
                 relabelled = f"none ({error})"
             print(f"worker pid {pid} exited ({procs[index].returncode}); {relabelled} run(s) relabelled; "
