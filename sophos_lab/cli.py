@@ -85,6 +85,10 @@ def lessons() -> list[str]:
     return sorted(path.stem for path in (KIT_ROOT / "notebooks").glob("*.ipynb"))
 
 
+START_LESSON = "00_start_here.ipynb"
+"""The lesson the lab's URL opens."""
+
+
 def lab_command(port: int, extra: list[str]) -> list[str]:
     """The JupyterLab command line (the token travels in `JUPYTER_TOKEN`, not in `ps` output)."""
     command = [
@@ -140,7 +144,9 @@ def wait_for_lab(proc: subprocess.Popen, runtime_dir: Path, timeout: float = LAB
 
 def start_lab(port: int, extra: list[str]) -> int:
     """Start JupyterLab on `notebooks/` (loopback only) with the kit's settings in its environment,
-    and print its URL with the login token as the last line of start-up.
+    and print its URL, which opens `00_start_here` with the login token, as the last line: Jupyter's
+    own log goes to `.lab/jupyter/lab.log`. Ctrl-C or SIGTERM stops JupyterLab (its kernels with
+    it) and the scripted model, and exits 0.
 
     Without `OLLAMA_HOST`, a scripted model server is started first and the kit is pointed at it,
     so a machine with no Ollama works; with `OLLAMA_HOST`, that Ollama is used.
@@ -161,20 +167,26 @@ def start_lab(port: int, extra: list[str]) -> int:
     if not env.get("OLLAMA_HOST"):
         server, url = start_scripted_model(SCRIPTS_DIR)
         env.update(OLLAMA_HOST=url, OLLAMA_MODEL="scripted")
-        print(f"sophos-lab: no OLLAMA_HOST, so the scripted model answers at {url} (deterministic, not an LLM)",
-              flush=True)
+        print(f"sophos-lab: no OLLAMA_HOST, so the kit's scripted model answers (deterministic, not an LLM; "
+              f"on {url.removeprefix('http://')})", flush=True)
     proc = None
     # A SIGTERM (`kill`) ends the lab as Ctrl-C does: JupyterLab and the scripted model stop too.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    log_path = runtime_dir.parent / "lab.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"sophos-lab: starting JupyterLab (its log: {log_path})", flush=True)
     try:
-        proc = subprocess.Popen(lab_command(port, extra), env=env)
+        with open(log_path, "ab") as log:
+            # No terminal for JupyterLab: on Ctrl-C it stops at once instead of asking to confirm.
+            proc = subprocess.Popen(lab_command(port, extra), env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT)
         info = wait_for_lab(proc, runtime_dir)
-        if info is not None:
-            print(f"\nsophos-lab: JupyterLab is ready. Open this URL (it carries the login token):\n\n"
-                  f"    http://127.0.0.1:{info['port']}/lab?token={info['token']}\n", flush=True)
-        elif proc.poll() is None:
-            print("sophos-lab: JupyterLab has not answered yet; its own log above shows its URL.", flush=True)
-        return proc.wait()
+        if info is None:
+            print(f"sophos-lab: JupyterLab did not start; its log says why: {log_path}", flush=True)
+            return proc.wait() or 1
+        print(f"\nsophos-lab: JupyterLab is ready. Open this URL (it carries the login token); Ctrl-C stops it:\n\n"
+              f"    http://127.0.0.1:{info['port']}/lab/tree/{START_LESSON}?token={info['token']}", flush=True)
+        return proc.wait()  # JupyterLab stopped on its own (Ctrl-C and SIGTERM end this with 0)
     except KeyboardInterrupt:
         return 0
     finally:

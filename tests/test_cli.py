@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pandas as pd
+import psutil
 import pytest
 
 from sophos_lab import cli
@@ -77,9 +78,22 @@ def test_lab_prints_a_tokened_url_that_opens_jupyterlab_with_its_state_under_the
         text=True, start_new_session=True,
     )
     try:
-        found, seen = read_until(proc, r"(http://127\.0\.0\.1:(\d+)/lab\?token=([\w\-]+))\s*$", timeout=60)
-        assert found, f"no URL with a token on stdout:\n{seen}"
+        lines, url_line = [], threading.Event()
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.append(line)
+                if "http://" in line:
+                    url_line.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert url_line.wait(60), lines
+        found = re.search(r"(http://127\.0\.0\.1:(\d+)/lab/tree/00_start_here\.ipynb\?token=([\w\-]+))\s*$", lines[-1])
+        assert found, f"no URL with a token on stdout:\n{lines}"
         url, port, token = found.groups()
+        assert "".join(lines).count("http://") == 1, lines  # one URL only: Jupyter's own log is in its file
+        assert "Jupyter Server" in (home / "jupyter" / "lab.log").read_text()
 
         status, landed, body = get(url)
         assert status == 200 and "/login" not in landed, landed
@@ -96,11 +110,22 @@ def test_lab_prints_a_tokened_url_that_opens_jupyterlab_with_its_state_under_the
         [info] = [json.loads(f.read_text()) for f in (home / "jupyter" / "runtime").glob("jpserver-*.json")]
         assert (info["port"], info["token"]) == (int(port), token)
         assert (home / "jupyter" / "lab" / "user-settings").is_dir()
+
+        # A kernel, as a lesson starts one; then SIGTERM stops the lab and everything it started.
+        started = urllib.request.Request(f"http://127.0.0.1:{port}/api/kernels", data=b"{}", method="POST",
+                                         headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(started, timeout=60) as response:
+            assert response.status == 201
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert len(started) >= 3, started  # the scripted model, JupyterLab, the kernel
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        _, alive = psutil.wait_procs(started, timeout=15)
+        assert not alive, alive
+        reader.join(10)
+        assert re.search(r"/lab/tree/00_start_here\.ipynb\?token=", lines[-1]), lines  # still the last line
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         proc.stdout.close()

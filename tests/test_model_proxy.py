@@ -199,7 +199,7 @@ async def test_more_failures_than_attempts_end_with_model_unreachable_behind_the
         error = await agent.ask("hello")
 
     assert error.data["code"] == MODEL_UNREACHABLE
-    assert error.data["message"].startswith("The model did not answer after 2 attempts (SOPHOS_LAB_MODEL_ATTEMPTS=2)")
+    assert error.data["message"].startswith("The model answered HTTP 503 to all 2 attempts (SOPHOS_LAB_MODEL_ATTEMPTS=2)")
     assert "upstream overloaded" in error.data["message"]
     assert lab.model_calls() == 2
 

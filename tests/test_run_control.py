@@ -254,7 +254,7 @@ async def test_a_model_that_keeps_failing_ends_with_model_unreachable_naming_the
         detail = await agent.get_conversation(run.conversation)
 
     assert (events[-1].event, events[-1].data["code"]) == ("chat-error", MODEL_UNREACHABLE)
-    assert "after 3 attempts (SOPHOS_LAB_MODEL_ATTEMPTS=3)" in row.error_message
+    assert "The model answered HTTP 503 to all 3 attempts (SOPHOS_LAB_MODEL_ATTEMPTS=3)" in row.error_message
     assert (row.status, row.error_code) == ("failed", MODEL_UNREACHABLE)
     assert len(retries(events)) == 2
     assert (detail.next, detail.resumable) == (("agent",), True)
@@ -266,6 +266,7 @@ async def test_a_dead_model_port_is_retried_then_model_unreachable(open_service)
         events = await all_events(await agent.chat("Hello there"))
 
     assert events[-1].data["code"] == MODEL_UNREACHABLE
+    assert events[-1].data["message"].startswith("The model did not answer after 2 attempts")  # no HTTP answer at all
     assert "All connection attempts failed" in events[-1].data["message"]
     assert [r["attempt"] for r in retries(events)] == [2]
 

@@ -468,3 +468,16 @@ def test_a_server_killed_mid_answer_leaves_a_conversation_a_new_server_resumes(l
     assert lab.fetches("wal.html") - fetches == 1  # the resume did not fetch again
     runs = second.request("GET", f"/api/conversations/{conversation}/runs").json()["runs"]
     assert [run["status"] for run in runs] == ["interrupted", "completed"]
+
+
+def test_the_prompt_the_readme_suggests_fetches_the_kit_s_own_page_with_no_internet(server, lab):
+    """The README's first prompt fetches the server's own `/pages/` (public, like the web page's
+    files, with a `robots.txt` that allows it): the fetch tool reads it over loopback."""
+    page = server.request("GET", "/pages/")
+    assert page.status_code == 200 and "<title>Example Domain</title>" in page.text
+    assert server.request("GET", "/robots.txt").text.startswith("User-agent: *")
+    conversation = finished(server, f"Fetch {server.url}/pages/ and tell me what it says.")
+    detail = server.request("GET", f"/api/conversations/{conversation}").json()
+    assert roles(detail) == ["user", "assistant", "tool", "assistant"]
+    assert "Example Domain" in detail["messages"][2]["content"]
+    assert "loaded fine" in detail["messages"][3]["content"]

@@ -264,6 +264,8 @@ class StepFailure:
     """How many attempts the node was allowed."""
     error: BaseException
     transient: bool
+    answers: tuple[int | None, ...] = ()
+    """The HTTP status each of the step's failed attempts got, in order (None: no answer at all)."""
 
 
 @dataclass
@@ -277,6 +279,8 @@ class AttemptWatch:
     on_retry: Callable[[str, dict[str, Any]], None]
     attempt: dict[str, int] = field(default_factory=dict)
     """The attempt each node is on (LangGraph's `node_attempt`, from 1)."""
+    answers: dict[str, list[int | None]] = field(default_factory=dict)
+    """Per node, the HTTP status of each failed attempt of its current step (None: no answer)."""
     gave_up: StepFailure | None = None
 
 
@@ -291,6 +295,18 @@ def failure_code(node: str, error: BaseException) -> str:
     if isinstance(error, NodeTimeoutError):
         return errors.TIMEOUT
     return errors.MODEL_UNREACHABLE if node == "agent" else errors.AGENT_FAILURE
+
+
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status a failed request got, if the server answered at all."""
+    import httpx
+    from ollama import ResponseError
+
+    if isinstance(error, ResponseError) and error.status_code > 0:
+        return error.status_code
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code
+    return None
 
 
 def describe_failure(node: str, error: BaseException, settings: Settings) -> str:
@@ -312,6 +328,9 @@ def node_policies(node: str, settings: Settings) -> tuple[RetryPolicy, TimeoutPo
         watch = ATTEMPT_WATCH.get()
         if watch is not None:
             attempt = watch.attempt.get(node, 1)
+            if attempt == 1:
+                watch.answers[node] = []
+            watch.answers.setdefault(node, []).append(http_status(error))
             if transient and attempt < attempts:
                 watch.on_retry(node, {
                     "attempt": attempt + 1, "of": attempts, "wait": settings.backoff(attempt),
@@ -319,7 +338,7 @@ def node_policies(node: str, settings: Settings) -> tuple[RetryPolicy, TimeoutPo
                     "code": failure_code(node, error), "error": describe_failure(node, error, settings),
                 })
             else:
-                watch.gave_up = StepFailure(node, attempt, attempts, error, transient)
+                watch.gave_up = StepFailure(node, attempt, attempts, error, transient, tuple(watch.answers[node]))
         return transient
 
     retry = RetryPolicy(
@@ -353,6 +372,11 @@ def classify_failure(error: BaseException, gave_up: StepFailure | None, settings
     if timed_out:
         return errors.TIMEOUT, f"The {gave_up.node} step failed {tries}: {what}."
     if gave_up.node == "agent":
+        if len(set(gave_up.answers)) == 1 and gave_up.answers[0] is not None:
+            # It did answer, each time with the same error status: not the same as no answer.
+            every = "its one attempt" if gave_up.attempt == 1 else f"all {gave_up.attempt} attempts"
+            return errors.MODEL_UNREACHABLE, (
+                f"The model answered HTTP {gave_up.answers[0]} to {every} ({setting}={gave_up.attempts}): {what}")
         return errors.MODEL_UNREACHABLE, f"The model did not answer {tries}: {what}"
     return errors.AGENT_FAILURE, f"The tools step failed {tries}: {what}"
 

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).resolve().parent / "static"
 """The web page: `index.html`, its script and its style sheet (package data, no build step)."""
+PAGES = Path(__file__).resolve().parents[2] / "data" / "web"
+"""The kit's own web pages, served at `/pages/` for the agent to fetch on a machine without
+internet (`Fetch http://127.0.0.1:5174/pages/ and tell me what it says.`)."""
 PAGE_HEADERS = {
     # Defence in depth: the page writes every model and tool text with textContent; even if
     # some did end up as markup, no inline script or handler would run.
@@ -90,7 +93,9 @@ def create_app(settings: Settings, options: ServerOptions | None = None) -> Star
             await service.shutdown()
 
     app = Starlette(
-        routes=[*API, ExactRoute("/", web_page, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC))],
+        routes=[*API, ExactRoute("/", web_page, methods=["GET"]), Mount("/static", StaticFiles(directory=STATIC)),
+                ExactRoute("/robots.txt", robots, methods=["GET"]),
+                Mount("/pages", StaticFiles(directory=PAGES, html=True, check_dir=False))],
         middleware=[Middleware(BearerToken, token=options.token)],
         # psycopg's errors are answered here (Starlette re-raises what reaches `Exception`'s handler,
         # and the server logs it as a crash): an unreachable database is a 503, not a 500.
@@ -106,6 +111,11 @@ def create_app(settings: Settings, options: ServerOptions | None = None) -> Star
 async def web_page(request: Request) -> Response:
     """The page at `/` (the original's UI contract; `static/app.js` says how)."""
     return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
+
+
+async def robots(request: Request) -> Response:
+    """Everyone may fetch `/pages/` (the fetch tool reads `robots.txt` before a page)."""
+    return FileResponse(PAGES / "robots.txt", media_type="text/plain")
 
 
 async def _refused(request: Request, error: Exception) -> Response:

@@ -2,8 +2,9 @@
 (`sophos-lab user add`), and with either every API request must carry `Authorization: Bearer
 <token>`, which says who it is (see `BearerToken`).
 
-Two exceptions, both for the web page. The page's own files (`/` and `/static/...`) are served
-without the token: they are the package's files, the same for everyone, and hold no data; every
+Two exceptions, both for the web page. The page's own files (`/` and `/static/...`) and the kit's
+pages for the agent to fetch (`/pages/...`, `/robots.txt`) are served without the token: they are
+the kit's files, the same for everyone, and hold no data; every
 request for data goes to `/api/`. And the SSE stream (`GET /api/chat`) may carry the token as
 `?token=` instead, because a browser's `EventSource` cannot send headers. The access log never
 shows that query value (`redact_token`).
@@ -22,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..runtime import errors, users
 from .wire import UNAUTHORIZED, error_response, unavailable
 
-PAGE_PATHS = re.compile(r"/(static/.*)?")
+PAGE_PATHS = re.compile(r"/((static|pages)/.*|pages|robots\.txt)?")
 """The web page's files: public, with no data in them."""
 STREAM_PATH = "/api/chat"
 PROBE_PATHS = ("/api/healthz", "/api/readyz")
