@@ -267,7 +267,7 @@ def test_summary_holds_the_answer_after_the_tool_result_after_n_content_chunks(p
         seen += [json.loads(line) for line in lines if line]
     contents = [c["message"]["content"] for c in seen if c["message"].get("content")]
     assert seen[0]["message"].get("thinking") and len(contents) > 2 and seen[-1]["done"]
-    assert "".join(contents).startswith("Here is a short summary of")
+    assert "".join(contents).startswith("Here is a summary of")
 
 
 def test_first_chunk_holds_a_stream_before_its_first_line(proxy):

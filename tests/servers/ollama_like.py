@@ -12,6 +12,8 @@ It prints the kit's ready line (``{"ready": true, "url": ...}``) and, started wi
   ("pay N to NAME", with a tool named like ``payment`` offered, a call with ``to`` and ``amount``);
   after a tool result it answers with a short summary of that result; anything else gets a
   plain short answer;
+- it writes at a real model's pace: a streamed chunk every ``--token-seconds`` (30 ms by default),
+  so a lesson that stops or drains mid-answer meets an answer that takes seconds, not microseconds;
 - ``"think": true`` streams ``message.thinking`` chunks before the answer;
 - tool calls carry an ``id`` and ``function.index``;
 - the last chunk has ``done: true``, ``done_reason`` and the timing fields;
@@ -51,8 +53,9 @@ class OllamaLike(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], model: str) -> None:
+    def __init__(self, address: tuple[str, int], model: str, token_seconds: float = 0.03) -> None:
         super().__init__(address, _Handler)
+        self.token_seconds = token_seconds
         self.tag = model if ":" in model else f"{model}:latest"
         name, _, version = self.tag.partition(":")
         self.hesitant_tag = f"{name}-hesitant:{version}"
@@ -150,6 +153,7 @@ class _Handler(JsonHandler):
         self.start_chunked(200, "application/x-ndjson")
         try:
             for part in chunks:
+                time.sleep(self.server.token_seconds)  # a real model's pace, not a barrier
                 line = {"model": model, "created_at": now_iso(),
                         "message": {"role": "assistant", **part}, "done": False}
                 self.send_chunk(json.dumps(line).encode() + b"\n")
@@ -219,9 +223,10 @@ def decide(messages: list[dict], tools: list[dict]) -> tuple[str, str, list[dict
             lines = [f"- {' '.join(words[i * size:(i + 1) * size][:12]) or url}." for i in range(n)]
             return (f"The user wants {n} bullet points about {url}. I will take them from the text.",
                     "\n".join(lines), [])
+        # As long as a real model's summary: a few hundred words, seconds at a real pace.
         return (f"The user wants a summary of {url}. The tool returned {len(words)} words. "
-                "I will pick out the start.",
-                f"Here is a short summary of {url}. It starts with: {' '.join(words[:24])}. "
+                "I will retell its first part.",
+                f"Here is a summary of {url}. It says, in its own words: {' '.join(words[:200])}. "
                 f"The page has about {len(words)} words in all.", [])
     payment = PAY.search(prompt)
     payers = [t.get("function") or {} for t in tools if "payment" in str((t.get("function") or {}).get("name", ""))]
@@ -250,8 +255,9 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--model", default="ollama-like:latest")
+    parser.add_argument("--token-seconds", type=float, default=0.03, help="the wait before each streamed chunk")
     args = parser.parse_args()
-    serve(OllamaLike((args.host, args.port), args.model), model=args.model)
+    serve(OllamaLike((args.host, args.port), args.model, args.token_seconds), model=args.model)
 
 
 if __name__ == "__main__":
