@@ -897,8 +897,8 @@ class AgentService:
             try:
                 self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision)
             except Exception as error:
-                # The commit may have landed with its answer lost: a run of ours with no task.
-                self._note_stray(error)
+                if errors.database_unavailable(error):  # its commit may have landed, the answer lost:
+                    self._note_stray()  # a run of ours with no task
                 raise
             self.active[conversation_id] = run
             self._observe(DurableWrite("run", conversation_id))
@@ -969,7 +969,8 @@ class AgentService:
             try:
                 row = self.store.claim_run()
             except Exception as error:
-                self._note_stray(error)  # the claim may have committed with its answer lost
+                if errors.database_unavailable(error):
+                    self._note_stray()  # the claim may have committed with its answer lost
                 raise
             if row is None:
                 return None
@@ -997,12 +998,12 @@ class AgentService:
                 graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in pending]}
             elif (decided := self._decided_gate(row.conversation_id, state.interrupts)) is not None:
                 graph_input = Command(resume={decided.id: decided.decisions})
-        except Exception as error:
+        except Exception:
             # Not started: given up now, as a crash's run would be (re-queued or relabelled, its
             # final event written), or, if even that fails, by the lease keeper once it can.
             log.warning("could not start claimed run %s; giving it up", row.id, exc_info=True)
             self.active.pop(row.conversation_id, None)
-            self._note_stray(error)
+            self._note_stray()
             with contextlib.suppress(Exception):
                 await self._write(self._give_up_strays)
             return
@@ -1052,7 +1053,7 @@ class AgentService:
                     log.warning("could not give up the runs no task works on; trying again", exc_info=True)
             self._stop_overdue()
 
-    def _note_stray(self, error: BaseException) -> None:
+    def _note_stray(self) -> None:
         """A write of a run's life failed: a run may now be ours with no task on it."""
         self._strays_possible = True
         self._keep_lease()
@@ -1099,7 +1100,7 @@ class AgentService:
             if self.active.get(run.conversation) is run:
                 del self.active[run.conversation]
             if not run.finished:
-                self._note_stray(None)
+                self._note_stray()
                 log.error("run %s stopped without its final event", run.id)
                 run.publish("chat-error", {
                     "code": errors.AGENT_FAILURE, "conversation": run.conversation, "run": run.id,
@@ -1243,12 +1244,13 @@ class AgentService:
             # written), or this process exits and the next open relabels it.
             log.warning("could not record the outcome of run %s", run.id, exc_info=True)
             self._unrecorded[run.id] = run.conversation
-            self._note_stray(exc)
+            self._note_stray()
             if isinstance(exc, asyncio.CancelledError) or errors.database_unavailable(exc):
                 code = errors.DATABASE_UNAVAILABLE
             else:
                 code = exc.code if isinstance(exc, SophosError) else errors.AGENT_FAILURE  # STORAGE_FULL, say
-            status, error = "failed", (code, f"The run's outcome could not be recorded: {exc or 'the process stopped'}")
+            why = str(exc) or "the process stopped while the database was unavailable"
+            status, error = "failed", (code, f"The run's outcome could not be recorded: {why}")
         gate.flush()
         if run.lost:
             error = (errors.OWNERSHIP_LOST, errors.OWNERSHIP_LOST_MESSAGE)
