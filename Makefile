@@ -23,7 +23,7 @@ NBVAL_OPTIONS := --nbval-lax --nbval-kernel-name=python3 --nbval-cell-timeout=12
 # checked cells put back (tests/notebooks/golden/, see tests/notebooks/golden.py).
 NBVAL_COPIES := .lab/nbval
 
-.PHONY: setup lab test test-fast test-unit test-matrix test-notebooks record-golden bench benchmark reset clean
+.PHONY: setup lab test test-fast test-unit test-matrix test-notebooks record-golden bench benchmark soak reset clean
 
 # The three installs are independent: side by side (-j3), set-up takes about as long as the
 # largest, the kit's venv. uv installs the venvs (11 s here where pip took 48 s, the same
@@ -95,6 +95,13 @@ bench: setup
 	$(BIN)/python benchmarks/bench.py $(BENCH_FLAGS)
 
 benchmark: bench
+
+# The chaos soak (tests/soak.py, not collected by pytest): users load two web servers and two workers
+# on a PostgreSQL of its own while servers, workers and the postmaster are killed at random; then
+# every message, payment, stream and process is checked. One summary line, PASS or FAIL (exit 1).
+# `make soak SOAK_ARGS="--seed 7 --minutes 1"` (defaults: 3 minutes, a random seed, printed).
+soak: setup
+	$(BIN)/python tests/soak.py $(SOAK_ARGS)
 
 reset:
 	rm -rf .lab
