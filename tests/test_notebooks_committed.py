@@ -46,7 +46,7 @@ def test_lesson_has_no_outputs_and_no_execution_counts(path: Path) -> None:
 def test_every_checked_cell_has_golden_outputs_and_none_is_orphaned(path: Path) -> None:
     notebook = nbformat.read(path, as_version=4)
     checked = golden.checked_ids(notebook)
-    assert checked, f"{path.name} has no `# NBVAL_CHECK_OUTPUT` cell"
+    assert checked, f"{path.name} has no cell tagged `nbval-check-output`"
     stored = golden.read_golden(path.stem)
     assert sorted(stored) == sorted(checked), (
         f"{path.name}: checked cells without golden outputs: {sorted(set(checked) - set(stored))}; "
@@ -95,8 +95,8 @@ def test_every_exercise_has_a_reference_solution_and_a_known_wrong_answer(path: 
     for index, cell in enumerate(cells):
         for name in exercise_names(cell.source):
             assert "raise NotImplementedError" in cell.source, f"{path.name} {name}: the stub must say not done"
-            checks = [c for c in cells[index + 1:] if f'check("{name}"' in c.source]
-            assert checks and golden.is_checked(checks[0]), f"{path.name} {name}: no checked `check(\"{name}\", ...)` cell after it"
+            checks = [c for c in cells[index + 1:] if f'check_exercise("{name}"' in c.source]
+            assert checks and golden.is_checked(checks[0]), f"{path.name} {name}: no checked `check_exercise(\"{name}\", ...)` cell after it"
             marker = cell.source.splitlines()[0]
             for wrong in (False, True):
                 solution = golden.solution_path(path.stem, name, wrong)

@@ -5,7 +5,7 @@ model answers (and lesson 06f twice more):
 
 - nbval (in `make test`, on copies with the golden outputs put back): as written, the agent in a
   child *kernel*, the kit's scripted model; every ✅ check runs, the checks of what the model chose
-  included, and the `# NBVAL_CHECK_OUTPUT` cells are compared with their golden outputs. Lesson 06f's
+  included, and the cells tagged `nbval-check-output` are compared with their golden outputs. Lesson 06f's
   copy sets `CLICK_RESUME = True`, so its checks of the resumed answer run too.
 - `test_notebooks_other_model.py`: papermill injects `CHILD = "worker"` (the agent in a plain
   subprocess) and another Ollama-protocol server answers; every runtime check runs (the checks of

@@ -78,3 +78,15 @@ def test_a_new_lab_starts_a_new_score(lab_home):
     reveal(1, 1)
     with Lab.setup("tests-new-score", quiet=True):
         assert current_score().revealed == []
+
+
+def test_the_score_counts_the_predictions_asked_whose_reveal_has_not_run_yet(capsys) -> None:
+    """A lesson whose exercise holds back two reveals says so, instead of scoring 1 of 1."""
+    from sophos_lab.lab.predictions import new_score, reveal, score
+
+    new_score()
+    lesson = {"reveal": reveal, "score": score}
+    exec("prediction_status = 'failed'\nprediction_calls = 2\nprediction_next = None\n"
+         "reveal(prediction_status, 'failed')\nscore()", lesson)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "🔮 Your predictions: 1 of 3 right. 2 not revealed yet: finish the lesson (and its exercises) to see them.")

@@ -1,7 +1,7 @@
 """Exercises: a cell the learner writes, and a check that says pass or fail with the reason.
 
 An exercise cell starts with a marker line naming it, `# ✏️ EXERCISE <name>: what to write`, and
-holds a stub that raises `NotImplementedError`. The check cell after it calls `check(name, test)`:
+holds a stub that raises `NotImplementedError`. The check cell after it calls `check_exercise(name, test)`:
 `test` uses the learner's code and raises `AssertionError` (its message: what is wrong) when the
 answer is not right; any other exception from the learner's code is a wrong answer too. A learner who has not written it yet is told so and goes on: a check never
 stops a lesson.
@@ -28,7 +28,7 @@ class Checked:
     reason: str = ""
 
 
-def check(name: str, test: Callable[[], object]) -> Checked:
+def check_exercise(name: str, test: Callable[[], object]) -> Checked:
     """Run the exercise's `test` and print the verdict: ✅ pass, ❌ the reason, or ✏️ not done yet."""
     try:
         test()

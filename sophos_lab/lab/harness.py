@@ -38,6 +38,7 @@ import pandas as pd
 from . import inspect as views
 from ..standins._proc import stop_server
 from ..runtime.agent import Readiness, check_model
+from . import checks
 from .children import LabKernel, LabServer, LabWorker
 from .predictions import new_score
 from ..standins.model_proxy import ModelProxyControl, normalize_upstream, start_model_proxy
@@ -421,6 +422,14 @@ class Lab:
     def model_calls(self, script: str | None = None) -> int:
         """How many `/api/chat` requests the model has answered (scripted, or real via the proxy)."""
         return len(self.model.chat_requests(script))
+
+    def check(self, claim: str, holds: bool | Callable[[], object], observed: Any = checks._NOTHING, *,
+              scripted_only: bool = False) -> None:
+        """Print `✅ claim`, or fail the cell with the claim and what was observed (`sophos_lab.check`).
+
+        `scripted_only=True`: a claim about what the scripted model chose (which tool, how many
+        calls); with another model it is listed as not checked, since a model's choices are its own."""
+        checks.check(claim, holds, observed, scripted_only=scripted_only, scripted=self.scripted)
 
     # lifecycle
 

@@ -3,13 +3,15 @@ the end of the lesson.
 
 A lesson asks for its predictions in one cell of plain variables (`prediction_checkpoints =
 None`), reveals each with `reveal(prediction, actual)` once it has been observed, and ends with
-`score()`: "5 of 7 predicted right". No prediction (`None`) is never marked wrong and never stops
+`score()`: "5 of 7 predicted right". The score counts every prediction the lesson asked (the
+`prediction_*` names of the notebook), also those whose reveal has not run yet. No prediction (`None`) is never marked wrong and never stops
 a lesson; the score says how many were left out. `Lab.setup` starts a new score, so running a
 lesson again counts that pass only.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,8 @@ class Revealed:
 @dataclass
 class Score:
     revealed: list[Revealed] = field(default_factory=list)
+    asked: int = 0
+    """How many predictions the lesson asked for (its `prediction_*` variables), revealed or not."""
 
     @property
     def right(self) -> int:
@@ -45,18 +49,26 @@ class Score:
         """What happened, per reveal in order, as plain JSON values (the answers a test injects)."""
         return [_plain(r.actual) for r in self.revealed]
 
+    @property
+    def unrevealed(self) -> int:
+        return max(self.asked - len(self.revealed), 0)
+
     def __str__(self) -> str:
-        total = len(self.revealed)
+        total = max(len(self.revealed), self.asked)
         if not total:
-            return "🔮 Nothing has been revealed yet in this lesson."
+            return "🔮 This lesson asked for no predictions."
+        later = (f" {self.unrevealed} not revealed yet: finish the lesson (and its exercises) to see them."
+                 if self.unrevealed else "")
+        if not self.revealed:
+            return f"🔮 Nothing has been revealed yet in this lesson.{later}"
         if not self.made:
             return (f"🔮 You made none of this lesson's {total} predictions. That is allowed, but a guess "
                     "written down first is what shows you what you did not expect: start the lesson "
-                    "over (run its setup cell again) and predict before you look.")
+                    f"over (run its setup cell again) and predict before you look.{later}")
         line = f"🔮 Your predictions: {self.right} of {total} right"
         if self.skipped:
             line += f", {self.skipped} not made"
-        return line + "."
+        return line + "." + later
 
 
 _score = Score()
@@ -82,11 +94,18 @@ def reveal(prediction: Any, actual: Any, *, ordered: bool = True) -> None:
 
 
 def score() -> None:
-    """Print this lesson's predictions so far: how many were right, wrong and not made.
+    """Print this lesson's predictions so far: how many were right, wrong, not made and not yet
+    revealed (the notebook's `prediction_*` names that no reveal has marked yet).
 
     It returns nothing, so that a cell ending with `score()` shows the line alone (nbval and
     papermill run cells without IPython's output-hiding `;`); `current_score()` is the value."""
+    _score.asked = len(asked_predictions(sys._getframe(1).f_globals))
     print(_score)
+
+
+def asked_predictions(namespace: Mapping[str, Any]) -> list[str]:
+    """The predictions a notebook asked for: its `prediction_*` variables."""
+    return [name for name, value in namespace.items() if name.startswith("prediction_") and not callable(value)]
 
 
 def current_score() -> Score:

@@ -1,11 +1,11 @@
 """Golden outputs of the lessons' output-checked cells, kept out of the committed notebooks.
 
 The lessons in `notebooks/` are committed without outputs, so that a learner does not see the
-answers next to the 🔮 prompts. nbval still compares the cells marked `# NBVAL_CHECK_OUTPUT` with
+answers next to the 🔮 prompts. nbval still compares the cells tagged `nbval-check-output` with
 stored outputs: those live in `tests/notebooks/golden/<notebook>.json` (cell id → the outputs list
 as nbformat stores it, unsanitised; nbval sanitises both sides with `sanitize.cfg`).
 
-    python tests/notebooks/golden.py inject OUT_DIR     # OUT_DIR/<name>.ipynb = lesson + golden outputs
+    python tests/notebooks/golden.py inject OUT_DIR [NAME ...]  # OUT_DIR/<name>.ipynb = lesson + golden outputs
     python tests/notebooks/golden.py record [NAME ...]  # execute the injected copies, store their outputs
 
 `make test` and `make test-notebooks` run `inject .lab/nbval` and then nbval on the copies. `record`
@@ -51,18 +51,13 @@ RECORD_DIR = ROOT / ".lab" / "golden-record"
 NBVAL_PARAMETERS: dict[str, dict[str, object]] = {"06f_chat_and_resume": {"CLICK_RESUME": True}}
 """Per lesson, the parameters the nbval copy sets in its `parameters` cell (names must exist there)."""
 
-_CHECK_MARKER = re.compile(r"(?m)^\s*#\s*NBVAL_CHECK_OUTPUT\b")
-
-
 def lessons() -> list[Path]:
     return sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb"))
 
 
 def is_checked(cell) -> bool:
-    """A cell whose output nbval compares under `--nbval-lax` (comment marker or tag)."""
-    return cell.cell_type == "code" and (
-        bool(_CHECK_MARKER.search(cell.source)) or "nbval-check-output" in cell.metadata.get("tags", [])
-    )
+    """A cell whose output nbval compares under `--nbval-lax` (its tag: a learner sees no marker)."""
+    return cell.cell_type == "code" and "nbval-check-output" in cell.metadata.get("tags", [])
 
 
 def checked_ids(notebook) -> list[str]:
@@ -265,17 +260,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_inject = sub.add_parser("inject", help="write OUT_DIR/<name>.ipynb: each lesson with its golden outputs")
     p_inject.add_argument("out_dir", type=Path)
+    p_inject.add_argument("names", nargs="*", help="only these lessons (default: all)")
     p_record = sub.add_parser("record", help="execute the injected lessons and store their checked outputs")
     p_record.add_argument("names", nargs="*", help="lessons to record, e.g. 07_side_effects_and_idempotency (default: all)")
     args = parser.parse_args(argv)
     known = {path.stem for path in lessons()}
+    unknown = sorted(set(args.names) - known)
+    if unknown:
+        parser.error(f"unknown lessons {unknown}; known: {sorted(known)}")
     if args.command == "inject":
-        written = inject(args.out_dir)
+        written = inject(args.out_dir, args.names or None)
         print(f"{len(written)} notebooks with golden outputs in {args.out_dir}")
     else:
-        unknown = sorted(set(args.names) - known)
-        if unknown:
-            parser.error(f"unknown lessons {unknown}; known: {sorted(known)}")
         record(args.names or None)
     return 0
 

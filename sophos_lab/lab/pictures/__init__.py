@@ -1,0 +1,47 @@
+"""Pictures drawn from what an experiment observed: the lab's own records, not static images.
+
+Each picture is a `Picture`: a matplotlib figure and the names of what it shows (`elements`),
+read off the same records it draws. A notebook shows it as SVG whose labels are text, followed by
+its elements as text; that text is what nbval compares (the drawing itself is sanitised to `SVG`,
+see tests/notebooks/sanitize.cfg), so a picture that stops showing what its lesson says fails the
+lesson's test. One module per picture, beside the data it reads:
+
+- `timeline` (in `sophos_lab.lab.inspect`): runs, checkpoints and model calls of a conversation.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Picture:
+    figure: Any
+    """A matplotlib Figure."""
+    title: str
+    elements: list[str] = field(default_factory=list)
+    """What the picture shows, named: the words a lesson (and its test) looks for."""
+
+    def svg(self) -> str:
+        import matplotlib
+
+        with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "sophos-lab"}):
+            buffer = io.StringIO()
+            self.figure.savefig(buffer, format="svg", bbox_inches="tight")
+        return buffer.getvalue()
+
+    def __str__(self) -> str:
+        return "\n".join([f"🖼  {self.title}", *(f"   · {element}" for element in self.elements)])
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        return {"image/svg+xml": self.svg(), "text/plain": str(self)}
+
+
+def picture(figure: Any, title: str, elements: list[str]) -> Picture:
+    """Wrap a figure, and close it in pyplot (the notebook shows the Picture, not the figure a second time)."""
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+    return Picture(figure, title, elements)
