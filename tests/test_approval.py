@@ -301,6 +301,36 @@ def test_a_kill_after_the_decision_is_recorded_asks_nobody_again(ledger_lab):
     assert payments(ledger_lab) == [("alice", 30)]
 
 
+@pytest.mark.parametrize(("stop_after", "last"), [(4, {"node": "agent", "event": "leave"}),
+                                                 (5, {"node": "tools", "event": "enter"})],
+                         ids=["agent-left", "tools-entered"])
+def test_a_kill_between_the_call_and_its_gate_refuses_a_new_message_as_the_gate_would(ledger_lab, stop_after, last):
+    """Killed after the model asked for the payment and before the tools step saved its gate: no
+    gate is recorded, yet the thread holds a call that needs approval. A new message is refused
+    as it is at a recorded gate (it would drop the call unasked); the resume reaches the gate,
+    and the approval pays once."""
+    with ledger_lab.worker(SOPHOS_LAB_STOP_AFTER_EVENT=str(stop_after)) as child:
+        child.chat(PAY)
+        conversation = child.conversation()
+        child.wait_for("trace", **last)
+        assert child.kill() == -9
+    assert ledger_lab.gates(conversation).empty
+    with ledger_lab.worker() as child:
+        child.chat("Never mind the payment.", conversation)
+        new_message = child.wait_final()
+        child.resume(conversation)
+        resumed = child.wait_final()
+        child.approve(conversation)
+        approved = child.wait_final()
+
+    assert (new_message["event"], new_message["data"]["code"]) == ("rejected", RUN_WAITING)
+    assert "ledger__record_payment" in new_message["data"]["message"]
+    assert resumed["data"]["status"] == "waiting"
+    assert approved["data"]["status"] == "completed"
+    assert payments(ledger_lab) == [("alice", 30)]
+    assert ledger_lab.runs()["status"].tolist() == ["interrupted", "waiting", "completed"]
+
+
 def test_a_kill_mid_payment_after_approval_resumes_with_the_decision_and_the_keyed_tool_pays_once(ledger_lab):
     """Approved, the payment committed on the ledger's side, killed before the tools step is
     saved: the resume runs the step again with the recorded decision (no new gate), and the

@@ -864,9 +864,26 @@ class AgentService:
             raise SophosError(errors.RUN_WAITING, (
                 "The thread stopped at an approval gate that its latest run did not get past: "
                 "resume() to carry on (a recorded decision is carried on, else the gate is shown again)."))
+        if unasked := self._unasked_calls(state):
+            # The run stopped after the model asked for these and before its tools step saved
+            # the gate: a new message would drop them with nobody asked, where a run stopped a
+            # moment later (at its gate) refuses it. The same answer at either point.
+            raise SophosError(errors.RUN_WAITING, (
+                f"The thread's last turn holds {len(unasked)} tool call(s) that need approval "
+                f"({', '.join(unasked)}), and its run stopped before it asked: resume() to reach "
+                "the gate, then approve or reject them."))
         if not latest.input:
             return []
         return self._pending_input(conversation_id, state.metadata)
+
+    def _unasked_calls(self, state: Any) -> list[str]:
+        """The tool calls needing approval that the thread's tools step, still to run, holds."""
+        if not any(task.name == "tools" and task.result is None and not task.interrupts for task in state.tasks):
+            return []
+        messages = state.values.get("messages") or []
+        needs_approval = approval_rule(mcp_servers(self.settings))
+        return [call["name"] for call in getattr(messages[-1], "tool_calls", None) or []
+                if needs_approval(call["name"])] if messages else []
 
     def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
         """The messages of the latest run if they never reached the thread, else [].
