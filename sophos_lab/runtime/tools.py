@@ -19,6 +19,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,16 +111,45 @@ class _DuplicateKey(Exception):
     """A JSON object names the same key twice (`json` would keep the last one silently)."""
 
 
+@dataclass(frozen=True)
+class _FileRead:
+    stamp: tuple[int, int, int, int]
+    """The file's inode, size, mtime and ctime (ns) when it was read."""
+    text: str
+
+
+_config_reads: dict[Path, _FileRead] = {}
+
+RECENT_CHANGE_NS = 100_000_000
+"""A file changed this recently (0.1 s) is read again next time: a filesystem's timestamps are
+coarse (a few ms on ext4), so a second change within the same tick could keep every stamp equal
+(git's "racy clean" rule)."""
+
+
 def read_config_file(path: Path, what: str) -> str:
-    """A configuration file's text; missing, unreadable or not UTF-8 is a CONFIG_ERROR naming it."""
+    """A configuration file's text; missing, unreadable or not UTF-8 is a CONFIG_ERROR naming it.
+
+    Read once per change: a run reads `mcp.json` and `system.md` several times per turn, and
+    each time costs a `stat` while the file's stamps (inode, size, mtime, ctime) stay the same."""
+    key = path.absolute()
     try:
-        return path.read_text(encoding="utf-8")
+        stat = key.stat()
+        stamp = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        known = _config_reads.get(key)
+        if known is not None and known.stamp == stamp:
+            return known.text
+        text = key.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SophosError(CONFIG_ERROR, f"{what} not found: {path.absolute()}") from None
+        raise SophosError(CONFIG_ERROR, f"{what} not found: {key}") from None
     except OSError as error:
         raise SophosError(CONFIG_ERROR, f"{path}: cannot read the file ({error.strerror or error})") from None
     except UnicodeDecodeError as error:
         raise SophosError(CONFIG_ERROR, f"{path}: not UTF-8 text ({error})") from None
+    if time.time_ns() - max(stat.st_mtime_ns, stat.st_ctime_ns) > RECENT_CHANGE_NS:
+        _config_reads[key] = _FileRead(stamp, text)
+    else:
+        _config_reads.pop(key, None)
+    return text
 
 
 def mcp_servers(settings: Settings, user: str | None = None) -> list[ServerConfig]:
