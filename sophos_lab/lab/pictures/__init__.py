@@ -7,6 +7,11 @@ see tests/notebooks/sanitize.cfg), so a picture that stops showing what its less
 lesson's test. One module per picture, beside the data it reads:
 
 - `timeline` (in `sophos_lab.lab.inspect`): runs, checkpoints and model calls of a conversation.
+- `gates`: each approval gate from made to decided, the ledger's payments and moments a lesson
+  noted (a kill), in the order they happened (lessons 11, 14).
+- `replay`: commit, kill, replay: a paying tool across a crash of the agent, as a sequence (lanes:
+  the agent process, the tool server, the checkpoint store), one panel per experiment (lessons 07, 15).
+- `cancel`: a run's cancel request against its outcome, on a time axis (lesson 13).
 """
 
 from __future__ import annotations
