@@ -12,6 +12,8 @@ lesson's test. One module per picture, beside the data it reads:
 - `replay`: commit, kill, replay: a paying tool across a crash of the agent, as a sequence (lanes:
   the agent process, the tool server, the checkpoint store), one panel per experiment (lessons 07, 15).
 - `cancel`: a run's cancel request against its outcome, on a time axis (lesson 13).
+- `lease`: the lease on a time axis: one lane per process, the lease, a kill or a freeze, the expiry
+  and the takeover (lessons 08b, 16).
 - `topology`: who owns what: the web servers, the workers and PostgreSQL between them, with the
   runs each worker owns and each web server streamed (lesson 17).
 """
