@@ -405,11 +405,13 @@ class Lab:
 
     def timeline(self, conversation: str):
         """The runs and checkpoints of `conversation` on a time axis, with this lab's model
-        requests (✕ for those that failed: an HTTP error, or no answer at all)."""
+        requests (✕ for those that failed: an HTTP error, or no answer at all): a `Picture`,
+        which a cell shows when it ends with it (`lab.timeline(c)`, no `;`). Each checkpoint is
+        labelled with its step and the node whose write made it; the picture's elements name them."""
         requests = [r for r in self.model.chat_requests() if r.get("time")]
         failed = [r["time"] for r in requests if r.get("status") != 200]
-        return views.timeline(self.database, conversation, model_requests=[r["time"] for r in requests],
-                              failed_requests=failed)
+        return views.timeline_picture(self.database, conversation, model_requests=[r["time"] for r in requests],
+                                      failed_requests=failed)
 
     def ledger(self) -> pd.DataFrame:
         """The ledger server's payments, oldest first (read-only; empty before the first one)."""

@@ -445,16 +445,9 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-TIMELINE_LABEL_GAP = 0.3
-"""Inches two step labels on one line need between their centres; closer ones go a line lower."""
-TIMELINE_LABEL_LINES = 3
-"""Lines of step labels under a run; a label that fits on none is left out."""
-TIMELINE_PREPARE_MIN = 0.1
-"""Seconds of an agent step before its model call worth marking (tool discovery takes longer)."""
-
-
 def timeline(db_path: str | Path, conversation: str, model_requests: Any = (), failed_requests: Any = ()):
-    """A matplotlib figure: each run as a bar from start to finish, each checkpoint as a tick.
+    """The timeline's matplotlib figure (still open in pyplot): each run as a bar from start to
+    finish, each checkpoint as a tick labelled with its step and the node whose write made it.
 
     `model_requests` (ISO times of `/api/chat` requests, e.g. from the lab's request log) adds a
     marker per model call inside a run, and marks the stretch of an agent step before its model
@@ -462,103 +455,23 @@ def timeline(db_path: str | Path, conversation: str, model_requests: Any = (), f
     MCP servers). `failed_requests` (ISO times of the requests among them that got no answer: an
     HTTP error, or none at all) are marked ✕ instead, and the stretch from each to the next
     request of its run is labelled with its length: the retry's backoff wait (plus the time limit,
-    for a request that never answered). Step labels closer than `TIMELINE_LABEL_GAP` go on lines
-    below each other.
+    for a request that never answered). Labels that would touch go on lines below each other, in
+    a band of their run's own. `timeline_picture` is the same as a `Picture`, with its elements.
     """
-    import matplotlib.pyplot as plt
+    from .pictures import timeline as drawing
 
-    colours = {"completed": "tab:green", "failed": "tab:red", "interrupted": "tab:orange", "running": "tab:blue"}
     conversation = parse_conversation_id(conversation)  # before a figure is made
-    runs = peek_runs(db_path, conversation)
-    points = checkpoints(db_path, conversation)
-    points = points[points["checkpoint_id"].notna()]  # the rows that say what was pruned
-    origin = pd.Timestamp(runs["started_at"].iloc[0]).timestamp() if len(runs) else 0.0
-
-    def seconds(value: Any) -> float:
-        return pd.Timestamp(value).timestamp() - origin
-
-    failed = {seconds(t) for t in failed_requests or ()}
-    requests = sorted({seconds(t) for t in model_requests or ()} | failed)
-    every = [seconds(t) for t in points["created_at"]]
-    spans = []
-    for index, run in enumerate(runs.itertuples()):
-        start = seconds(run.started_at)
-        if isinstance(run.finished_at, str):
-            end = seconds(run.finished_at)
-        elif index + 1 < len(runs):
-            end = seconds(runs["started_at"].iloc[index + 1])
-        else:
-            end = max([start, *requests])
-        mine = points[points["run_id"] == run.id]
-        times = [seconds(t) for t in mine["created_at"]]
-        calls = [t for t in requests if start <= t <= end]
-        spans.append((run, start, end if isinstance(run.finished_at, str) else start, mine, times, calls))
-    right = max([0.0, *(max([end, *times, *calls]) for _, _, end, _, times, calls in spans)]) or 1.0
-
-    width = 9.0
-    figure, axes = plt.subplots(figsize=(width, 1.6 + 1.0 * max(len(runs), 1)))
-    axes.set_xlim(-0.02 * right, 1.02 * right)
-    per_inch = 1.04 * right / (width * 0.85)  # seconds per inch of the axes (about 85% of the figure)
-    prepared_any = skipped = False
-    for row, (run, start, end, mine, times, calls) in enumerate(spans):
-        axes.barh(row, max(end - start, 0.002 * right), left=start, height=0.3, color=colours.get(run.status, "grey"))
-        # The agent step before each model call: from the checkpoint that sent the run to `agent`
-        # (a resumed run starts from an earlier run's checkpoint: then from the run's start). A
-        # retried call's stretch is the failed call's, then the wait: labelled below, not here.
-        for call in calls:
-            before = [(t, next_) for t, next_ in zip(every, points["next"]) if t <= call]
-            if not before or tuple(before[-1][1]) != ("agent",):
-                continue
-            began = max(before[-1][0], start)
-            if any(began <= other < call for other in calls):
-                continue
-            if call - began >= TIMELINE_PREPARE_MIN:
-                axes.barh(row, call - began, left=began, height=0.3, color="white", alpha=0.55,
-                          hatch="///", edgecolor="black", linewidth=0)
-                # Discovery is once per process: a run's first agent step in a new process waits for it.
-                label = "tools discovered: MCP servers start" if call == calls[0] else "before the model call"
-                axes.annotate(f"{label} ({call - began:.1f} s)", (began, row - 0.2),
-                              xytext=(0, 2), textcoords="offset points", fontsize=7, ha="left", va="bottom")
-                prepared_any = True
-        answered = [t for t in calls if t not in failed]
-        axes.scatter(answered, [row - 0.2] * len(answered), marker="v", s=18, color="tab:purple", zorder=3)
-        refused = [t for t in calls if t in failed]
-        axes.scatter(refused, [row - 0.2] * len(refused), marker="x", s=22, color="tab:red", zorder=3)
-        for call, after in zip(calls, calls[1:]):
-            if call in failed:
-                axes.annotate("", (after, row - 0.2), xytext=(call, row - 0.2),
-                              arrowprops={"arrowstyle": "->", "color": "tab:red", "linewidth": 0.8})
-                axes.annotate(f"retry after {after - call:.2f} s", ((call + after) / 2, row - 0.2),
-                              xytext=(0, 4), textcoords="offset points", fontsize=7, ha="center",
-                              va="bottom", color="tab:red")
-        axes.scatter(times, [row + 0.3] * len(times), marker="|", color="black")
-        # Step labels: each on the highest of TIMELINE_LABEL_LINES lines where it keeps
-        # TIMELINE_LABEL_GAP from the label before it; one that fits on none is left out (its tick stays).
-        last_on_line: list[float] = []
-        for time, step in sorted(zip(times, mine["step"])):
-            line = next((n for n, x in enumerate(last_on_line) if (time - x) / per_inch >= TIMELINE_LABEL_GAP),
-                        len(last_on_line))
-            if line == TIMELINE_LABEL_LINES:
-                skipped = True
-                continue
-            if line == len(last_on_line):
-                last_on_line.append(time)
-            last_on_line[line] = time
-            axes.annotate(str(step), (time, row + 0.3), xytext=(0, -10 - 9 * line), textcoords="offset points",
-                          fontsize=7, ha="center", va="top", annotation_clip=False)
-    codes = [run.error_code if isinstance(run.error_code, str) else "" for run, *_ in spans]
-    axes.set_yticks(range(len(spans)), [f"run {n + 1}\n{run.status} {code}".rstrip()
-                                        for n, ((run, *_), code) in enumerate(zip(spans, codes))], fontsize=8)
-    axes.tick_params(axis="y", length=0)
-    axes.set_ylim(max(len(runs), 1) - 0.1, -0.8)  # run 1 on top
-    legend = "ticks: checkpoints, labelled with their step" + (" (some too close to label)" if skipped else "")
-    if set(requests) - failed:
-        legend += ";  ▼ a model request"
-    if failed:
-        legend += ";  ✕ one that failed, → to the next attempt"
-    if prepared_any:
-        legend += ";  hatched: an agent step before its model call"
-    axes.set_xlabel(f"seconds since the first run started\n{legend}", fontsize=8)
-    axes.set_title(f"runs and checkpoints of {conversation[:8]}…")
-    figure.tight_layout()
+    figure, _ = drawing.figure_and_elements(peek_runs(db_path, conversation), checkpoints(db_path, conversation),
+                                            conversation, model_requests, failed_requests)
     return figure
+
+
+def timeline_picture(db_path: str | Path, conversation: str, model_requests: Any = (), failed_requests: Any = ()):
+    """The timeline (see `timeline`) as a `Picture` titled `runs and checkpoints of <conversation>`, whose
+    elements name each run and its outcome, the checkpoints it wrote (`-1 input, 0 __start__, 1
+    agent, ...`) and the number of model requests within the runs."""
+    from .pictures import timeline as drawing
+
+    conversation = parse_conversation_id(conversation)
+    return drawing.draw(peek_runs(db_path, conversation), checkpoints(db_path, conversation), conversation,
+                        model_requests, failed_requests)

@@ -6,7 +6,11 @@ its elements as text; that text is what nbval compares (the drawing itself is sa
 see tests/notebooks/sanitize.cfg), so a picture that stops showing what its lesson says fails the
 lesson's test. One module per picture, beside the data it reads:
 
-- `timeline` (in `sophos_lab.lab.inspect`): runs, checkpoints and model calls of a conversation.
+- `timeline`: a conversation's runs on a time axis, each checkpoint labelled with its step and the
+  node whose write made it, and the model requests (read by `inspect.timeline_picture`, shown by
+  `Lab.timeline`; lessons 00, 02, 06d, 09, 12).
+- `event_ids`: event ids across a disconnect: what each connection received, what the server kept,
+  the `Last-Event-ID` catch-up (lesson 04).
 - `gates`: each approval gate from made to decided, the ledger's payments and moments a lesson
   noted (a kill), in the order they happened (lessons 11, 14).
 - `replay`: commit, kill, replay: a paying tool across a crash of the agent, as a sequence (lanes:
