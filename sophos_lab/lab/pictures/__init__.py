@@ -18,6 +18,8 @@ lesson's test. One module per picture, beside the data it reads:
 - `cancel`: a run's cancel request against its outcome, on a time axis (lesson 13).
 - `lease`: the lease on a time axis: one lane per process, the lease, a kill or a freeze, the expiry
   and the takeover (lessons 08b, 16).
+- `statuses`: the run-status state machine (the runtime's statuses and transitions, hand-placed),
+  with the transitions a lesson's runs took in bold, read from the runs table (lessons 06a–06e).
 - `topology`: who owns what: the web servers, the workers and PostgreSQL between them, with the
   runs each worker owns and each web server streamed (lesson 17).
 """
