@@ -186,6 +186,30 @@ def test_a_worker_whose_connections_were_terminated_mid_run_records_its_run_and_
     assert next_turn(server, conversation)["data"].get("status") == "completed"
 
 
+def test_a_follower_between_a_worker_s_outcome_and_its_final_event_waits_for_that_event(lab, database):
+    """The worker writes the outcome, then gives the final event (persist, then notify). It stops
+    itself between the two (`recorded`); a follower that comes then is not told "ended" from the
+    runs row (an `end` without an id): it waits, and gets the final event with its id once the
+    worker goes on. The response's headers are the barrier: the server has chosen what to send."""
+    from sophos_lab.lab.children import sse_events
+
+    server = lab.server(**ON_WORKERS)
+    worker = lab.pool_worker(SOPHOS_LAB_STOP_AT="recorded")
+    server.chat("Hello!")
+    conversation = server.conversation()
+    worker.wait_stopped()
+    assert runs(database, conversation) == [("completed", None)]
+    with psycopg.connect(database.url) as conn:  # a client that has every event given so far
+        (given,) = conn.execute("SELECT max(id) FROM run_events WHERE conversation_id = %s", (conversation,)).fetchone()
+    with httpx.stream("GET", f"{server.url}/api/chat", params={"conversation": conversation},
+                      headers={"Last-Event-ID": str(given)}, timeout=httpx.Timeout(60, read=60)) as response:
+        worker.thaw()
+        frames = [event for event in sse_events(response.iter_lines()) if event["event"] != "ping"]
+
+    assert (frames[-1]["event"], frames[-1]["data"].get("status")) == ("end", "completed"), frames
+    assert [e.get("id") for e in frames] == list(range(given + 1, given + 1 + len(frames))), frames
+
+
 # --- 2. no task dies with its run held ------------------------------------------------------
 
 POINTS = {

@@ -754,6 +754,11 @@ class PostgresStore:
 
         return queue.event_span(self.conn, run_id)
 
+    def final_event_kept(self, run_id: str) -> bool:
+        from . import queue
+
+        return queue.final_event_kept(self.conn, run_id)
+
     def finish_run(self, run_id: str, status: str, message_count: int | None, error_code: str | None = None,
                    error_message: str | None = None, gate: Gate | None = None, steps: int = 0) -> bool:
         now = utc_now()

@@ -181,6 +181,12 @@ def event_span(conn: psycopg.Connection, run_id: str) -> tuple[int, int]:
     return row["first"] - 1, given
 
 
+def final_event_kept(conn: psycopg.Connection, run_id: str) -> bool:
+    """Whether the run's final event (`end` or `chat-error`) is among its kept events."""
+    return conn.execute("SELECT EXISTS (SELECT 1 FROM run_events WHERE run_id = %s AND event = ANY(%s)) AS kept",
+                        (run_id, list(_TERMINAL))).fetchone()["kept"]
+
+
 # a worker's side (async, on its saver's pool)
 
 async def append_events(conn: psycopg.AsyncConnection, owner_id: str, run_id: str, conversation_id: str,

@@ -967,8 +967,13 @@ class AgentService:
         if latest is None:
             return None
         dropped, last = self.store.event_span(latest.id)
-        if not last or (latest.status not in ("queued", "running") and not 0 < after < last):
-            return None  # no events kept, or a finished run the client has every event of
+        if not last:
+            return None  # no events kept
+        if latest.status not in ("queued", "running") and not 0 < after < last and self.store.final_event_kept(latest.id):
+            return None  # a finished run the client has every event of (or may read from its row)
+        # A finished run whose final event its worker has not given yet (the outcome is written
+        # first: persist, then notify) is followed to that event, or to the one a look writes
+        # for it if the worker died in between.
         return self._remote(latest.id, conversation_id, latest.input is None)
 
     async def claim(self, sink: Callable[[str, str, Event], None]) -> ActiveRun | None:
@@ -1268,6 +1273,7 @@ class AgentService:
                 code = exc.code if isinstance(exc, SophosError) else errors.AGENT_FAILURE  # STORAGE_FULL, say
             why = str(exc) or "the process stopped while the database was unavailable"
             status, error = "failed", (code, f"The run's outcome could not be recorded: {why}")
+        self._point("recorded")  # the outcome is on disk, its final event not given yet
         gate.flush()
         if run.lost:
             error = (errors.OWNERSHIP_LOST, errors.OWNERSHIP_LOST_MESSAGE)
