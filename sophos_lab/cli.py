@@ -580,6 +580,9 @@ def main(argv: list[str] | None = None) -> None:
     pool.add_argument("--concurrency", type=int, default=1, help="runs each worker runs at once (default 1)")
     _add_retention_commands(commands)
     _add_user_commands(commands)
+    from .grading import command as grading_command
+
+    grading_command.add_parser(commands)
     copy = commands.add_parser(
         "migrate-to-postgres", help="copy a SQLite lab (conversations, checkpoint history, runs, gates) into PostgreSQL",
         description="Copy everything the SQLite file holds into an empty PostgreSQL database, read every "
@@ -620,6 +623,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(migrate_to_postgres(args))
     elif args.command == "user":
         sys.exit(user_command(args))
+    elif args.command == "grade":
+        sys.exit(grading_command.run(args))
 
 
 if __name__ == "__main__":

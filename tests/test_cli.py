@@ -232,7 +232,7 @@ def test_help_lists_only_commands_that_exist_and_serve_model_port_has_help(capsy
     assert "run notebooks" not in text
     commands = set(re.search(r"\{([\w,-]+)\}", text).group(1).split(","))
     assert commands == {"lab", "doctor", "serve-model", "serve", "reset", "agent-child", "worker", "worker-pool", "delete", "prune", "vacuum",
-                        "migrate-to-postgres", "user"}
+                        "migrate-to-postgres", "user", "grade"}
 
     with pytest.raises(SystemExit):
         cli.main(["serve-model", "--help"])

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import select
 import signal
 import threading
 import time
@@ -61,6 +60,7 @@ from sophos_lab.runtime.errors import SophosError
 from sophos_lab.lab.inspect import peek_runs
 from sophos_lab.lab import postgres_server
 from sophos_lab.lab.harness import Lab
+from sophos_lab.grading.driver import descendants, wait_gone
 
 pytestmark = pytest.mark.crash_matrix
 FULL = pytest.mark.full_matrix
@@ -98,42 +98,6 @@ def wait_event_id(child: LabWorker, event_id: int, timeout: float = BARRIER_TIME
             if event["event"] in (*FATAL_EVENTS, "rejected"):
                 raise ChildFailed(f"{event} before event {event_id}")
         index += len(new)
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes below `pid` (the MCP servers a worker started), from /proc."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        below = [child for child, parent in parents.items() if parent in frontier]
-        found += below
-        frontier = below
-    return found
-
-
-def wait_gone(pids: list[int], timeout: float = BARRIER_TIMEOUT) -> None:
-    """Block until each process has exited (a pidfd turns readable then). A killed worker's MCP
-    servers outlive it until they read the end of their stdin; a request one had in flight
-    reaches the web server before it exits, so counting after this is exact."""
-    deadline = time.monotonic() + timeout
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise TimeoutError(f"process {pid} of the killed worker still runs after {timeout} s")
-        finally:
-            os.close(fd)
 
 
 # --- what a point is and what it found ------------------------------------------------------

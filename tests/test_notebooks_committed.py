@@ -157,11 +157,13 @@ def test_the_chat_lesson_stops_before_resume_and_its_nbval_copy_clicks(tmp_path:
 # --- the knobs: one `parameters` cell, which papermill overrides --------------------------
 
 WITHOUT_CHILD = {"01_own_the_process", "04_streaming_is_not_persistence", "16_outgrowing_one_file",
-                 "17_the_separate_worker", "18_many_users"}
-"""The lessons whose agent is `sophos-lab serve` (`lab.server()`): no `CHILD` knob."""
+                 "17_the_separate_worker", "18_many_users", "19_lab_build_a_durable_agent"}
+"""The lessons whose agent is `sophos-lab serve` (`lab.server()`), or the learner's own module in the
+grader's processes (the labs after the course): no `CHILD` knob."""
 EXTRA_PARAMETERS = {
     "06f_chat_and_resume": {"CLICK_RESUME": True},
     "04_streaming_is_not_persistence": {"DISCONNECT_AFTER": 1},
+    "19_lab_build_a_durable_agent": {"EVERY_POINT": False},
 }
 """Per lesson, the parameters the other-model run (test_notebooks_other_model.py) injects besides `CHILD`."""
 

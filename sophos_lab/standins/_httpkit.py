@@ -4,7 +4,9 @@
   test or notebook releases it (armed, waited for and released over HTTP).
 - ``RequestLog``: a thread-safe in-memory log, mirrored to a JSON-lines file.
 - ``Faults``: the next chat requests' injected failures (the scripted model's and the model
-  proxy's ``fail_next`` / ``hang_next``).
+  proxy's ``fail_next`` / ``hang_next``), and ``hold_request``: the n-th chat request from now
+  held when it is received or right after its first chunk (the grader's model kill points).
+- ``prompt_digest``: which user message a chat request answers, for the request logs.
 - ``JsonHandler``: a quiet HTTP/1.1 request handler with JSON helpers.
 - ``serve``: print the ready line and serve until interrupted.
 - ``call`` and ``long_poll``: the urllib side used by the control clients.
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import select
@@ -103,14 +106,52 @@ class Holds:
 HANG = "(hang)"
 """The hold point of a chat request that `hang_next` makes wait before any answer."""
 
+RECEIVED, FIRST_CHUNK = "received", "first-chunk"
+"""Where `hold_request` holds its request: before any answer, or right after the first chunk."""
+
+
+def held_name(at: str) -> str:
+    """The hold point's name of a request `hold_request` holds `at` (what `wait_paused` returns)."""
+    return f"(request {at})"
+
+
+def prompt_digest(messages: list[dict]) -> str | None:
+    """A short digest of the last user message's text: with `turn` (assistant messages since
+    that message), which step of which turn of a conversation a chat request asks for."""
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        return None
+    content = users[-1].get("content")
+    text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+    return hashlib.sha1(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
 
 class Faults:
-    """The next chat requests' failures, each used once, in order: HTTP errors, then hangs."""
+    """The next chat requests' failures, each used once, in order: HTTP errors, then hangs; and
+    one request to hold (`hold_request`), counted among the requests answered normally."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._errors: list[tuple[int, str]] = []
         self._hangs = 0
+        self._hold: tuple[int, str] | None = None
+
+    def hold_request(self, n: int, at: str) -> None:
+        """Hold the `n`-th chat request from now (1: the next) that is answered normally, `at`
+        `RECEIVED` (before any answer) or `FIRST_CHUNK` (right after its first chunk), until
+        released or its client hangs up. A new call replaces the one before."""
+        with self._lock:
+            self._hold = (n, at)
+
+    def counted(self) -> str | None:
+        """Count one chat request about to be answered normally; where to hold it (`RECEIVED`,
+        `FIRST_CHUNK`) if it is the one `hold_request` named, else None."""
+        with self._lock:
+            if self._hold is None:
+                return None
+            n, at = self._hold
+            self._hold = (n - 1, at) if n > 1 else None
+            return at if n == 1 else None
 
     def fail(self, n: int, status: int, message: str) -> None:
         with self._lock:
@@ -131,9 +172,15 @@ class Faults:
             return None
 
     def control(self, name: str, body: dict, failure: str) -> tuple[int, dict]:
-        """Answer the control request `name` (`fail_next` or `hang_next`) with `body`: the HTTP
+        """Answer the control request `name` (`fail_next`, `hang_next`, `hold_request`) with `body`: the HTTP
         status and JSON of the answer. A failure's default message is `failure (HTTP <status>)`."""
         n = body.get("n")
+        if name == "hold_request":
+            at = body.get("at", RECEIVED)
+            if type(n) is int and n > 0 and at in (RECEIVED, FIRST_CHUNK):
+                self.hold_request(n, at)
+                return 200, {"holding": n, "at": at}
+            return 400, {"error": f'expected a body like {{"n": 2, "at": "{RECEIVED}" or "{FIRST_CHUNK}"}}'}
         if name == "fail_next":
             status = body.get("status", 500)
             if type(n) is int and n > 0 and type(status) is int and 400 <= status <= 599:
@@ -150,7 +197,7 @@ class RequestLog:
     """A list of dicts kept in memory and appended to a JSON-lines file."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._entries: list[dict] = []
         self.path = path
 
@@ -161,6 +208,16 @@ class RequestLog:
             if self.path is not None:
                 with self.path.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(entry) + "\n")
+            self._lock.notify_all()
+
+    def wait_count(self, match: Any, count: int, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds until ``count`` entries ``match`` (a predicate); how many do."""
+        def found() -> int:
+            return sum(1 for entry in self._entries if match(entry))
+
+        with self._lock:
+            self._lock.wait_for(lambda: found() >= count, min(timeout, MAX_WAIT))
+            return found()
 
     def entries(self) -> list[dict]:
         """A copy of every entry so far, oldest first."""
@@ -209,6 +266,15 @@ class JsonHandler(BaseHTTPRequestHandler):
         """Send one chunk of a streamed body and flush it; b"" ends the body."""
         self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
         self.wfile.flush()
+
+    def hold_request(self, holds: Holds, at: str) -> bool:
+        """Hold this chat request `at` a point (`Faults.hold_request`) until released; False (and
+        the connection closed) if its client hung up meanwhile."""
+        holds.arm(held_name(at))
+        if holds.hold_if_armed(held_name(at), self.connection):
+            return True
+        self.close_connection = True
+        return False
 
     def answer_wait(self, holds: Holds, query: dict[str, list[str]], key: str) -> None:
         """Answer a long-poll: ``{key: name}`` once a request is held, else 408."""

@@ -36,6 +36,11 @@ answers the next ``n`` chat requests itself, with an HTTP error, or not at all u
 or the client hangs up, as a gateway in front of a model server can. Those requests never
 reach the model; they are logged with ``fault: "error"`` (their status) or ``fault: "hang"``
 (status 0).
+
+``hold_request(n, at)``, as the scripted model's: the ``n``-th chat request from now is held
+when the proxy receives it (before it is forwarded: logged with ``fault: "held"``, status 0, if
+its client hangs up meanwhile) or right after its first chunk was passed on (the grader's model
+kill points, for any model).
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from sophos_lab.standins._httpkit import HANG, Faults, Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
+from sophos_lab.standins._httpkit import (FIRST_CHUNK, HANG, RECEIVED, Faults, Holds, JsonHandler, RequestLog, call,
+                                          long_poll, now_iso, prompt_digest, serve)
 from sophos_lab.standins._proc import spawn_module, stop_server
 
 __all__ = [
@@ -73,7 +79,7 @@ CONTROL_PREFIXES = ("/_proxy/", "/_scripted/")
 
 LOG_FIELDS = (
     "model", "script", "turn", "n_messages", "last_role", "status", "tools", "tool_args",
-    "stream", "think", "fault",
+    "stream", "think", "fault", "prompt",
 )
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those the proxy sets itself.
 _REQUEST_DROP = {"host", "connection", "keep-alive", "proxy-connection", "te", "trailer",
@@ -189,7 +195,7 @@ class _Handler(JsonHandler):
         elif method == "POST" and name == "release":
             self.read_json()
             self.send_json(200, {"released": self.server.pauses.release()})
-        elif method == "POST" and name in ("fail_next", "hang_next"):
+        elif method == "POST" and name in ("fail_next", "hang_next", "hold_request"):
             self.send_json(*self.server.faults.control(name, self.read_json(), "model proxy: injected failure"))
         else:
             self.send_json(404, {"error": f"no control endpoint {method} {name}"})
@@ -206,6 +212,10 @@ class _Handler(JsonHandler):
         headers["Accept-Encoding"] = "identity"  # keep NDJSON lines readable on the way through
         if path.endswith("/api/chat") and self._fault(path, entry):
             return
+        held = self.server.faults.counted() if path.endswith("/api/chat") else None
+        if held == RECEIVED and not self.hold_request(self.server.pauses, RECEIVED):
+            self._record(path, 0, {**entry, "fault": "held"})
+            return
         upstream = self.server.connect()
         try:
             try:
@@ -221,9 +231,9 @@ class _Handler(JsonHandler):
             streamed = response.chunked or (response.length is None and method != "HEAD")
             chat = path.endswith("/api/chat")
             if streamed:
-                self._relay_stream(response, chat, entry)
+                self._relay_stream(response, chat, entry, held)
             else:
-                self._relay_whole(response, method, chat, entry)
+                self._relay_whole(response, method, chat, entry, held)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         finally:
@@ -256,18 +266,21 @@ class _Handler(JsonHandler):
         self.end_headers()
 
     def _relay_whole(self, response: http.client.HTTPResponse, method: str, chat: bool,
-                     entry: dict) -> None:
+                     entry: dict, held: str | None = None) -> None:
         data = response.read()
         if chat and response.status == 200:
             # One answer object: every pause point that applies holds it before it is sent.
             for pause in _points(entry):
                 if not self._hold(pause):
                     return
+            if held == FIRST_CHUNK and not self.hold_request(self.server.pauses, FIRST_CHUNK):
+                return
         self._send_head(response, **{"Content-Length": str(len(data))})
         if method != "HEAD":
             self.wfile.write(data)
 
-    def _relay_stream(self, response: http.client.HTTPResponse, chat: bool, entry: dict) -> None:
+    def _relay_stream(self, response: http.client.HTTPResponse, chat: bool, entry: dict,
+                      held: str | None = None) -> None:
         self._send_head(response, **{"Transfer-Encoding": "chunked"})
         mid = [p for p in _points(entry) if p != "first-chunk"] if chat and response.status == 200 else []
         first = chat and response.status == 200
@@ -285,6 +298,10 @@ class _Handler(JsonHandler):
                     return
                 mid = []
             self.send_chunk(line)
+            if held == FIRST_CHUNK and response.status == 200:
+                held = None
+                if not self.hold_request(self.server.pauses, FIRST_CHUNK):
+                    return
             if mid and _has_content(line):
                 contents += 1
                 due = [p for p in mid if contents >= self.server.after_chunks(p)]
@@ -339,6 +356,7 @@ def _describe(path: str, raw: bytes) -> dict[str, Any]:
                    for f in functions},
         stream=body.get("stream", True) is not False,
         think=body.get("think"),
+        prompt=prompt_digest(messages),
     )
     return entry
 
@@ -427,6 +445,14 @@ class ModelProxyControl:
         """Never answer the next `n` chat requests (not forwarded: no headers, until `release()`
         or the client hangs up); logged with `fault: "hang"`, status 0. As the scripted model's."""
         status_code, body = call(f"{self.url}/_proxy/hang_next", {"n": n})
+        if status_code != 200:
+            raise ValueError(body.get("error", body))
+
+    def hold_request(self, n: int = 1, at: str = RECEIVED) -> None:
+        """Hold the `n`-th chat request from now (1: the next) `at` `"received"` (before it is
+        forwarded) or `"first-chunk"` (right after its first chunk), until `release()` or its
+        client hangs up. As `ScriptedModelControl.hold_request`."""
+        status_code, body = call(f"{self.url}/_proxy/hold_request", {"n": n, "at": at})
         if status_code != 200:
             raise ValueError(body.get("error", body))
 

@@ -29,10 +29,16 @@ a person rejected at an approval gate). A script can give its own regex as
 ``tool_error_match`` (searched in each result), e.g. for the memory server,
 whose errors read ``Entity with name X not found``. A real model reads the text too.
 
+A turn's tool call is sent under the name the request offers that tool by
+(``fetch__fetch`` as the kit names it, ``fetch`` as LangChain's MCP client does),
+and may name alternatives: see ``offered_tools``.
+
 A control API under ``/_scripted/`` lets a notebook or test read the request
 log, freeze a stream half-way at a named pause point, answer the next N chat
 requests with an HTTP error (``fail_next``) or not at all (``hang_next``: no
-headers, until released or the client hangs up) (see ``ScriptedModelControl``).
+headers, until released or the client hangs up), or hold the n-th request from
+now when it is received or after its first chunk (``hold_request``) (see
+``ScriptedModelControl``).
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from sophos_lab.standins._httpkit import HANG, Faults, Holds, JsonHandler, RequestLog, call, long_poll, now_iso, serve
+from sophos_lab.standins._httpkit import (FIRST_CHUNK, HANG, RECEIVED, Faults, Holds, JsonHandler, RequestLog, call,
+                                          long_poll, now_iso, prompt_digest, serve)
+from sophos_lab.standins.offered_tools import offered, offered_call
 from sophos_lab.standins._proc import spawn_module, stop_server
 
 __all__ = [
@@ -333,7 +341,7 @@ class _Handler(JsonHandler):
                 self.send_json(400, {"error": 'expected a body like {"pause": "summary"}'})
         elif path == "/_scripted/release":
             self.send_json(200, {"released": self.server.pauses.release()})
-        elif path in ("/_scripted/fail_next", "/_scripted/hang_next"):
+        elif path in ("/_scripted/fail_next", "/_scripted/hang_next", "/_scripted/hold_request"):
             self.send_json(*self.server.faults.control(path.rsplit("/", 1)[1], body, "scripted failure"))
         else:
             self._not_found(path)
@@ -349,6 +357,7 @@ class _Handler(JsonHandler):
             "tools": [f.get("name") for f in functions],
             # What the model was shown of each tool: its parameter names.
             "tool_args": {f.get("name"): list(f.get("parameters", {}).get("properties", {})) for f in functions},
+            "prompt": prompt_digest(messages),
         }
         model = body.get("model")
         if not self._known(model):
@@ -377,20 +386,27 @@ class _Handler(JsonHandler):
             return
         self._record(200, model=model, **entry)
         reply = _Reply(model, turn, prompt_tokens=_count_tokens(messages),
-                       think=body.get("think") is not False)
+                       think=body.get("think") is not False, tools=offered(body.get("tools")))
+        held = self.server.faults.counted()
+        if held == RECEIVED and not self.hold_request(self.server.pauses, held):
+            return
         try:
             if body.get("stream", True):
-                self._stream(reply)
-            elif self._hold(turn.pause):
+                self._stream(reply, held)
+            elif self._hold(turn.pause) and (held != FIRST_CHUNK or self.hold_request(self.server.pauses, held)):
                 self.send_json(200, reply.whole())
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
 
-    def _stream(self, reply: _Reply) -> None:
+    def _stream(self, reply: _Reply, held: str | None = None) -> None:
         self.start_chunked(200, "application/x-ndjson")
         for line in reply.lines():
             if line is not None:
                 self.send_chunk(json.dumps(line).encode() + b"\n")
+                if held == FIRST_CHUNK:
+                    held = None
+                    if not self.hold_request(self.server.pauses, FIRST_CHUNK):
+                        return
             elif not self._hold(reply.turn.pause):
                 self.close_connection = True
                 return
@@ -454,7 +470,7 @@ class _Handler(JsonHandler):
 
 
 _LOG_FIELDS = ("model", "script", "turn", "branch", "n_messages", "last_role", "status", "tools", "tool_args",
-               "fault")
+               "fault", "prompt")
 _DETAILS = {
     "parent_model": "",
     "format": "scripted",
@@ -473,6 +489,8 @@ class _Reply:
     turn: Turn
     prompt_tokens: int
     think: bool = True
+    tools: dict[str, list[str]] = field(default_factory=dict)
+    """The tools the request offers (`offered_tools.offered`): the calls are sent by their names."""
     started: float = field(default_factory=time.monotonic)
 
     def lines(self) -> Iterator[dict | None]:
@@ -508,7 +526,7 @@ class _Reply:
                 "message": {"role": "assistant", **message}}
 
     def _tool_calls(self) -> list[dict]:
-        return [{"function": dict(call)} for call in self.turn.tool_calls]
+        return [{"function": offered_call(dict(call), self.tools)} for call in self.turn.tool_calls]
 
     def _line(self, **message: Any) -> dict:
         return {
@@ -587,6 +605,13 @@ class ScriptedModelControl:
         the client hangs up (a time limit's work); logged with `fault: "hang"`, status 0.
         `wait_paused()` returns `"(hang)"` once one is held."""
         call(f"{self.url}/_scripted/hang_next", {"n": n})
+
+    def hold_request(self, n: int = 1, at: str = RECEIVED) -> None:
+        """Hold the `n`-th chat request from now (1: the next) that is answered normally, `at`
+        `"received"` (before any answer) or `"first-chunk"` (right after its first chunk), until
+        `release()` or its client hangs up: a kill point at a model request, for any script.
+        `wait_paused()` returns `"(request received)"` or `"(request first-chunk)"` once it is held."""
+        call(f"{self.url}/_scripted/hold_request", {"n": n, "at": at})
 
 
 def start_scripted_model(

@@ -7,9 +7,9 @@ Run it with::
 It serves the files under ``--root`` (``/`` and paths ending in ``/`` serve
 that directory's ``index.html``; no listings; nothing outside the root),
 answers ``/robots.txt`` with "allow everyone" unless the root has its own,
-and logs every request. A control API under ``/_fixtures/`` counts hits and
-can hold the next request for a page until released (see
-``WebFixturesControl``).
+and logs every request. A control API under ``/_fixtures/`` counts hits,
+can hold the next request for a page until released, and waits until a
+page's requests are logged (see ``WebFixturesControl``).
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ class _Handler(JsonHandler):
                 self.send_json(200, {"entries": self.server.log.entries()})
         elif url.path == "/_fixtures/wait_held":
             self.answer_wait(self.server.holds, query, "held")
+        elif url.path == "/_fixtures/wait_logged" and "path" in query:
+            self._wait_logged(query["path"][0], int(query.get("count", ["1"])[0]),
+                              float(query.get("timeout", ["10"])[0]))
         elif url.path.startswith("/_fixtures/"):
             self.send_json(404, {"error": f"no control endpoint {url.path}"})
         else:
@@ -104,6 +107,12 @@ class _Handler(JsonHandler):
             self.send_json(200, {"released": self.server.holds.release()})
         else:
             self.send_json(404, {"error": f"no control endpoint {path}"})
+
+    def _wait_logged(self, path: str, count: int, timeout: float) -> None:
+        """Answer once ``count`` GET requests for ``path`` are logged (answered or abandoned), else 408."""
+        logged = self.server.log.wait_count(
+            lambda e: e["method"] == "GET" and urlsplit(e["path"]).path == path, count, timeout)
+        self.send_json(200 if logged >= count else 408, {"path": path, "count": logged})
 
     def _serve_page(self, path: str, with_body: bool = True) -> None:
         if not self.server.holds.hold_if_armed(path, self.connection):
@@ -176,6 +185,15 @@ class WebFixturesControl:
     def release(self) -> int:
         """Answer every held request; return how many there were."""
         return call(f"{self.url}/_fixtures/release", {})[1]["released"]
+
+    def wait_logged(self, path: str, count: int, timeout: float = 60.0) -> int:
+        """Block until ``count`` GET requests for ``path`` are in the log (a released request is
+        logged once it is answered, or abandoned by its client); how many are."""
+        status, body = call(f"{self.url}/_fixtures/wait_logged?path={quote(path)}&count={count}&timeout={timeout}",
+                            timeout=timeout + 10)
+        if status != 200:
+            raise TimeoutError(f"{body['count']} requests for {path} logged within {timeout} s, not {count}")
+        return body["count"]
 
 
 def start_web_fixtures(

@@ -48,7 +48,12 @@ ANSWERS = Path(__file__).resolve().parent / "answers"
 SOLUTIONS = ROOT / "solutions"
 RECORD_DIR = ROOT / ".lab" / "golden-record"
 
-NBVAL_PARAMETERS: dict[str, dict[str, object]] = {"06f_chat_and_resume": {"CLICK_RESUME": True}}
+NBVAL_PARAMETERS: dict[str, dict[str, object]] = {
+    "06f_chat_and_resume": {"CLICK_RESUME": True},
+    # The grading lab grades a sample of its kill points (the first of each kind and the last) in
+    # the tests: every point of every stage is `tests/test_grading_matrix.py`'s, in make test-matrix.
+    "19_lab_build_a_durable_agent": {"EVERY_POINT": False},
+}
 """Per lesson, the parameters the nbval copy sets in its `parameters` cell (names must exist there)."""
 
 def lessons() -> list[Path]:
