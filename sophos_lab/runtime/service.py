@@ -969,11 +969,12 @@ class AgentService:
         dropped, last = self.store.event_span(latest.id)
         if not last:
             return None  # no events kept
-        if latest.status not in ("queued", "running") and not 0 < after < last and self.store.final_event_kept(latest.id):
-            return None  # a finished run the client has every event of (or may read from its row)
-        # A finished run whose final event its worker has not given yet (the outcome is written
-        # first: persist, then notify) is followed to that event, or to the one a look writes
-        # for it if the worker died in between.
+        finished = latest.status not in ("queued", "running")
+        if finished and not 0 < after < last and (dropped == last or self.store.final_event_kept(latest.id)):
+            return None  # a finished run the client has every event of, or whose events a crash took
+        # A finished run whose events are kept but not its final one: its worker has written the
+        # outcome and not given the final event yet (persist, then notify). It is followed to
+        # that event, or to the one a look writes for it if the worker died in between.
         return self._remote(latest.id, conversation_id, latest.input is None)
 
     async def claim(self, sink: Callable[[str, str, Event], None]) -> ActiveRun | None:
