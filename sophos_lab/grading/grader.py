@@ -36,16 +36,15 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import driver
 from .driver import Child, Lane, epoch
 from .points import Point, points_of, sample
+from .result import TURNS, Graded, Outcome, Reference
 
 CONVERSATION = "conversation-1"
-TURNS = ("fetch and summarise", "follow-up", "payment")
 DEFAULT_BOUND = 30.0
 """Seconds one command (a turn, a recovery, a resume, a read) may take before it counts as stuck."""
 
@@ -72,48 +71,6 @@ def answered(messages: list[dict[str, Any]], text: str) -> bool:
         if message["role"] == "assistant" and not message["calls"]:
             return True
     return False
-
-
-@dataclass
-class Reference:
-    """The uninterrupted run: its points and what it left."""
-
-    points: list[Point] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    runs: list[str] = field(default_factory=list)
-    fetches: int = 0
-    payments: int = 0
-    model_requests: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-    """Why the uninterrupted run cannot be a reference (None: it can)."""
-    not_done: bool = False
-    """The module raised `NotImplementedError`: a stub, not yet written."""
-
-
-@dataclass
-class Outcome:
-    """One point's killed run, judged."""
-
-    point: Point
-    lost: int = 0
-    rerun: int = 0
-    extra_payment: int = 0
-    wrong_status: bool = False
-    stuck: bool = False
-    payments: int = 0
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def verdicts(self) -> list[str]:
-        found = [("lost", self.lost), ("re-run", self.rerun), ("extra payment", self.extra_payment),
-                 ("wrong status", self.wrong_status), ("stuck", self.stuck)]
-        return [name for name, value in found if value]
-
-    @property
-    def recovers(self) -> bool:
-        return not self.verdicts
 
 
 def run_reference(lane: Lane, module: Path, bound: float) -> Reference:
@@ -338,8 +295,6 @@ def open_lanes(name: str, count: int, ollama_host: str | None = None, ollama_mod
 def grade_on(lanes: list[Lane], module_path: str | Path, stage: str | None = None, *, every_point: bool = True,
              bound: float = DEFAULT_BOUND):
     """Grade the module at `module_path` in lanes that are already open (see `grade`)."""
-    from .result import Graded
-
     module = Path(module_path).resolve()
     if not module.is_file():
         raise FileNotFoundError(f"no agent module at {module}")
