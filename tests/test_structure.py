@@ -1,0 +1,139 @@
+"""The package's shape: no import circle, no module longer than a reader takes in one sitting.
+
+Imports are read from the source, those inside functions included: a function-level import
+hides a circle from Python's start-up, not from a reader who follows it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sophos_lab"
+MAX_LINES = 600
+
+KNOWN_CIRCLES: list[set[str]] = [
+    {"sophos_lab.runtime.counting", "sophos_lab.runtime.store"},
+    {"sophos_lab.runtime.postgres", "sophos_lab.runtime.queue"},
+    {"sophos_lab.lab.children", "sophos_lab.lab.forkserver", "sophos_lab.lab.kernels"},
+]
+"""Circles there were when this test came (issue 34); each goes as it is cut."""
+
+KNOWN_LONG = {"runtime/service.py", "runtime/store.py", "runtime/postgres.py", "lab/children.py",
+              "ui/chat_model.py", "standins/scripted_model.py", "cli.py"}
+"""Modules over `MAX_LINES` when this test came (issue 34); each goes as it is split."""
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package's modules that `name` imports, anywhere in its source."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                if f"{target}.{alias.name}" in known:
+                    found.add(f"{target}.{alias.name}")  # a module imported from its package
+                elif target in known:
+                    found.add(target)
+    return found - {name}
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected sets of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = set()
+            while True:
+                member = stack.pop()
+                group.add(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_of_the_package_imports_itself_back() -> None:
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    found = circles(graph)
+    assert [group for group in found if group not in KNOWN_CIRCLES] == [], "new import circles"
+    assert [group for group in KNOWN_CIRCLES if group not in found] == [], "a circle is gone: drop it from KNOWN_CIRCLES"
+
+
+def test_the_circle_finder_finds_a_circle_through_a_function_level_import(tmp_path) -> None:
+    (tmp_path / "a.py").write_text("from .b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    from . import a\n")
+    known = {"p.a": tmp_path / "a.py", "p.b": tmp_path / "b.py", "p": tmp_path / "__init__.py"}
+    (tmp_path / "__init__.py").write_text("")
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert circles(graph) == [{"p.a", "p.b"}]
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(PACKAGE)))
+def test_a_module_reads_in_one_sitting(path: Path) -> None:
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    name = str(path.relative_to(PACKAGE))
+    if name in KNOWN_LONG:
+        assert lines > MAX_LINES, f"{name} is {lines} lines now: drop it from KNOWN_LONG"
+    else:
+        assert lines <= MAX_LINES, f"{name} is {lines} lines, over {MAX_LINES}"
+
+
+KNOWN_COPIES = {frozenset({"runtime/postgres.py", "runtime/store.py"})}
+"""Pairs of modules that shared identical lines when this test came (issue 34)."""
+
+
+def test_no_two_places_in_the_package_share_identical_lines() -> None:
+    """`duplicates` (a developer's tool, where it is installed) finds no pair of places sharing
+    six or more identical lines; pairs alike only in shape (other names and values) may stay."""
+    import shutil
+    import subprocess
+
+    if shutil.which("duplicates") is None:
+        pytest.skip("the duplicates tool is not installed here")
+    report = subprocess.run(["duplicates", "--repo", str(PACKAGE), "--most", "200", "--seconds", "120"],
+                            capture_output=True, text=True, timeout=180).stdout
+    assert "incomplete:" not in report, report
+    identical = [line for line in report.splitlines()
+                 if line.startswith("D") and " shape" not in line]
+    pairs = {frozenset(place.split(":")[0] for place in line.split()[1:4:2]) for line in identical}
+    assert pairs - KNOWN_COPIES == set(), "\n".join(identical)
+    assert KNOWN_COPIES - pairs == set(), "a pair is gone: drop it from KNOWN_COPIES"
