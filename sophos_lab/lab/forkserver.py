@@ -68,6 +68,20 @@ def forking(env: Mapping[str, str]) -> bool:
     return env.get("SOPHOS_LAB_FORKSERVER", "1") != "0"
 
 
+def child_environment(overrides: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment without pytest's variables, plus the lab's settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    kit_parent = str(Path(__file__).resolve().parents[2])
+    paths = [p for p in (env.get("PYTHONPATH") or "").split(os.pathsep) if p]
+    # Once: a lab in a child of a lab (a lesson kernel's) gets the same PYTHON* variables, and
+    # so the same fork server (`forkserver.share`).
+    env["PYTHONPATH"] = os.pathsep.join([kit_parent, *(p for p in paths if p != kit_parent)])
+    env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+    env.update(overrides)
+    return env
+
+
+
 LAUNCHER = Path(__file__).with_name("launch_forked.py")
 
 
@@ -80,8 +94,6 @@ def launcher_command(module: str, args: list[str], env: Mapping[str, str] | None
     it hands its stdin, stdout and stderr to the forked child, passes on SIGTERM, SIGINT and
     SIGHUP, and exits as the child does, so to whoever started it it looks like the program."""
     if env is None:
-        from .children import child_environment
-
         env = child_environment({})
     server = _server_for(env)
     return [sys.executable, "-S", str(LAUNCHER), server.socket_path, module, *args]
