@@ -23,6 +23,7 @@ figure is the median of REPEAT calls on a warm cache, and the spread is printed 
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import sqlite3
 import statistics
@@ -38,7 +39,9 @@ sys.path.insert(0, str(ROOT))
 
 from sophos_lab.runtime.service import AgentService  # noqa: E402
 from sophos_lab.runtime.settings import Settings  # noqa: E402
-from sophos_lab.runtime.store import Conversation, Store  # noqa: E402
+from sophos_lab.runtime.storage import sqlite_storage  # noqa: E402
+from sophos_lab.runtime.storage.blocking import Blocking  # noqa: E402
+from sophos_lab.runtime.storage.models import Conversation  # noqa: E402
 
 CONVERSATIONS = 10_000
 RUNS_EACH = 3
@@ -86,9 +89,8 @@ CREATE INDEX runs_by_conversation ON runs (conversation_id, started_at);
 def fill(path: Path, conversations: int) -> None:
     """A file as a long-used lab leaves it: `conversations` conversations of RUNS_EACH runs,
     written through the kit's schema (the store creates it), in one transaction."""
-    store = Store(path)
-    store.conn  # noqa: B018 - creates the file at the current schema version
-    store.close()
+    with Blocking(lambda: sqlite_storage(path)) as store:
+        store.open()  # creates the file at the current schema version
     start = datetime(2026, 1, 1, tzinfo=timezone.utc)
     conversation_rows, run_rows = [], []
     for number in range(conversations):
@@ -139,11 +141,21 @@ class Files:
         shutil.copy(kit_db, old_db)
         self.old = sqlite3.connect(old_db)  # tuple rows
         self.old.executescript(OLD_INDEXES)
-        self.service = AgentService(Settings.from_env({"DATABASE_PATH": str(kit_db)}))
+        self.loop = asyncio.new_event_loop()  # the kit's calls are awaited, as a server awaits them
+        self.service = self.loop.run_until_complete(_service(kit_db))
+
+    def kit(self, call):
+        """`call()` (a coroutine function) as a plain call, run to its end on this loop."""
+        return lambda: self.loop.run_until_complete(call())
 
     def close(self) -> None:
-        self.service.store.close()
+        self.loop.run_until_complete(self.service.store.aclose())
+        self.loop.close()
         self.old.close()
+
+
+async def _service(path: Path) -> AgentService:
+    return AgentService(Settings.from_env({"DATABASE_PATH": str(path)}))
 
 
 def rows(quick: bool = False) -> list[dict]:
@@ -153,28 +165,28 @@ def rows(quick: bool = False) -> list[dict]:
     scale = f"{conversations:,} conversations x {RUNS_EACH} runs"
     with tempfile.TemporaryDirectory() as tmp:
         files = Files(Path(tmp), conversations)
-        service, old = files.service, files.old
+        service, old, kit = files.service, files.old, files.kit
         try:
             cursor = None
             for _ in range(later - 1):
-                cursor = service.conversation_page(PAGE, cursor).next_cursor
+                cursor = kit(lambda: service.conversation_page(PAGE, cursor))().next_cursor
 
             def old_page(offset: int):
                 return anchor(old, f"{OLD_LISTING} LIMIT {PAGE} OFFSET {offset}")
 
             # Like with like: the same conversations, the same fields, the same order.
-            if service.list_conversations() != anchor(old, ORIGINAL_LISTING)():
+            if kit(service.list_conversations)() != anchor(old, ORIGINAL_LISTING)():
                 raise RuntimeError("the kit's list_conversations() and the original's query disagree")
-            if service.conversation_page(PAGE, cursor).conversations != old_page((later - 1) * PAGE)():
+            if kit(lambda: service.conversation_page(PAGE, cursor))().conversations != old_page((later - 1) * PAGE)():
                 raise RuntimeError(f"the kit's page {later} and the OFFSET page disagree")
 
             measured = [
                 (f"first page of {PAGE}, {scale}",
-                 *paired_ms(lambda: service.conversation_page(PAGE), old_page(0), repeat)),
+                 *paired_ms(kit(lambda: service.conversation_page(PAGE)), old_page(0), repeat)),
                 (f"page {later} of {PAGE} (cursor; bare: OFFSET), {scale}",
-                 *paired_ms(lambda: service.conversation_page(PAGE, cursor), old_page((later - 1) * PAGE), repeat)),
+                 *paired_ms(kit(lambda: service.conversation_page(PAGE, cursor)), old_page((later - 1) * PAGE), repeat)),
                 (f"all conversations, list_conversations() (bare: the original's summary query), {scale}",
-                 *paired_ms(service.list_conversations, anchor(old, ORIGINAL_LISTING), repeat)),
+                 *paired_ms(kit(service.list_conversations), anchor(old, ORIGINAL_LISTING), repeat)),
             ]
         finally:
             files.close()
@@ -193,19 +205,20 @@ def breakdown(quick: bool = False) -> list[tuple[str, list[float]]]:
         files = Files(Path(tmp), conversations)
         store, old = files.service.store, files.old
         try:
-            from sophos_lab.runtime.store import _LISTING_ORDER, _LISTING_SQL
+            from sophos_lab.runtime.storage.rules import _LISTING, _LISTING_ORDER
+            from sophos_lab.runtime.storage.sqlite import DIALECT
 
-            kit_conn = sqlite3.connect(store.path)  # tuple rows, the kit's file and query
-            kit_query = _LISTING_SQL + _LISTING_ORDER
+            kit_conn = sqlite3.connect(store.db.path)  # tuple rows, the kit's file and query
+            kit_query = DIALECT.prepare(_LISTING + _LISTING_ORDER)
             sql_kit, sql_bare = paired_ms(lambda: kit_conn.execute(kit_query).fetchall(),
                                           lambda: old.execute(ORIGINAL_LISTING).fetchall(), repeat)
-            store_kit, built_bare = paired_ms(store.list_conversations, anchor(old, ORIGINAL_LISTING), repeat)
+            store_kit, built_bare = paired_ms(files.kit(store.list_conversations), anchor(old, ORIGINAL_LISTING), repeat)
             kit_conn.close()
         finally:
             files.close()
     return [
         ("kit: the query alone (tuples)", sql_kit),
-        ("kit: Store.list_conversations() (no recovery check)", store_kit),
+        ("kit: Storage.list_conversations() (no recovery check)", store_kit),
         ("original: the query alone (tuples)", sql_bare),
         ("original: the query, Conversation(*row) per row", built_bare),
     ]

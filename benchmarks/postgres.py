@@ -144,8 +144,8 @@ def listing(conversations: int, repeat: int) -> dict[str, tuple[list[float], lis
     import psycopg
     from listing import fill, paired_ms
 
-    from sophos_lab.runtime.postgres import PostgresStore
-    from sophos_lab.runtime.store import Store
+    from sophos_lab.runtime.storage import postgres_storage, sqlite_storage
+    from sophos_lab.runtime.storage.blocking import Blocking
 
     folder = Path(tempfile.mkdtemp(prefix="sophos-pg-bench-"))
     server = postgres_server.start(folder / "pg")
@@ -153,7 +153,8 @@ def listing(conversations: int, repeat: int) -> dict[str, tuple[list[float], lis
         path = folder / "listing.db"
         fill(path, conversations)
         url = postgres_server.new_database(server.url, "listing")
-        PostgresStore(url).conn.close()  # migrated
+        with Blocking(lambda: postgres_storage(url)) as store:
+            store.open()  # migrated
         import sqlite3
 
         source = sqlite3.connect(path)
@@ -166,7 +167,8 @@ def listing(conversations: int, repeat: int) -> dict[str, tuple[list[float], lis
                                    "SELECT id, conversation_id, status, started_at, finished_at FROM runs ORDER BY rowid"))
             cursor.execute("ANALYZE")
         source.close()
-        on_postgres, on_sqlite = PostgresStore(url), Store(path)
+        # Each awaited on a loop of its own (`Blocking`): the same hop on both sides.
+        on_postgres, on_sqlite = Blocking(lambda: postgres_storage(url)), Blocking(lambda: sqlite_storage(path))
         try:
             assert on_postgres.list_conversations() == on_sqlite.list_conversations()  # the same rows, in order
             return {

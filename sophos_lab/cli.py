@@ -258,7 +258,8 @@ def _has_users(env: Mapping[str, str]) -> bool:
     import sqlite3
 
     from .runtime import users
-    from .runtime.service import open_store
+    from .runtime.storage import open_storage
+    from .runtime.storage.blocking import Blocking
 
     settings = Settings.from_env(env)
     if not settings.database_url:
@@ -270,11 +271,8 @@ def _has_users(env: Mapping[str, str]) -> bool:
                 conn.execute("SELECT 1 FROM users LIMIT 1").fetchone() is not None
         finally:
             conn.close()
-    store = open_store(settings)
-    try:
-        return users.has_users(store)
-    finally:
-        store.close()
+    with Blocking(lambda: open_storage(settings)) as store:
+        return store.call(users.has_users)
 
 
 def doctor(environ: Mapping[str, str] | None = None) -> int:
@@ -306,7 +304,7 @@ def doctor(environ: Mapping[str, str] | None = None) -> int:
         print(f"model     scripted model (no OLLAMA_HOST, so the lab starts one; not an LLM): {readiness.message}")
     problems += not readiness.ok
     if settings.database_url:
-        from .runtime.postgres import check, is_postgres_url
+        from .runtime.storage.postgres import check, is_postgres_url
 
         ok, said = check(settings.database_url) if is_postgres_url(settings.database_url) else (
             False, "DATABASE_URL is not a postgresql:// URL")
@@ -412,7 +410,7 @@ def retention(args: argparse.Namespace, environ: Mapping[str, str] | None = None
             print((await service.delete_conversation(args.conversation, dry_run=args.dry_run)).describe())
         elif args.command == "prune":
             rules.parse_keep(args.keep)  # a bad --keep is refused once, not once per conversation
-            targets = service.conversation_ids() if args.all else [args.conversation]
+            targets = await service.conversation_ids() if args.all else [args.conversation]
             for conversation in targets:
                 try:
                     print((await service.prune_conversation(
@@ -435,7 +433,7 @@ def migrate_to_postgres(args: argparse.Namespace, environ: Mapping[str, str] | N
     (`--to`, else DATABASE_URL); 0 when copied and read back the same, else 1 with the reason."""
     from .runtime.errors import SophosError
     from .runtime.pg_copy import copy_to_postgres
-    from .runtime.postgres import is_postgres_url
+    from .runtime.storage.postgres import is_postgres_url
 
     env = lab_environment(environ)
     settings = Settings.from_env({**env, **({"DATABASE_PATH": args.database} if args.database else {})})
@@ -460,21 +458,21 @@ def user_command(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     with nothing changed.
     """
     from .runtime import users
-    from .runtime.store import utc_now
+    from .runtime.storage.models import utc_now
 
     async def run(service) -> None:
         if args.action == "add":
-            user, token = users.add_user(service.store, args.name, utc_now())
+            user, token = await users.add_user(service.store, args.name, utc_now())
             print(f"user {user.name} added; its token (shown this once, keep it):\n{token}")
         elif args.action == "list":
-            listed = users.list_users(service.store)
+            listed = await users.list_users(service.store)
             for user, conversations in listed:
                 state = f"revoked {user.revoked_at}" if user.revoked else "active"
                 print(f"{user.name}\t{state}\tsince {user.created_at}\t{conversations} conversation(s)")
             if not listed:
                 print("no users: the server runs in single-user mode (see `sophos-lab user add`)")
         elif args.action == "revoke":
-            user = users.revoke_user(service.store, args.name, utc_now())
+            user = await users.revoke_user(service.store, args.name, utc_now())
             print(f"user {user.name}: token revoked at {user.revoked_at}; its conversations are kept "
                   "(`sophos-lab user delete` removes them)")
         elif args.action == "delete":

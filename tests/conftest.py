@@ -366,12 +366,12 @@ def migrated_template(postgres) -> str:
     connected to: each test's database is a copy of it (PostgreSQL copies the files, about a
     third of the time of creating and migrating one)."""
     from sophos_lab.lab import postgres_server
-    from sophos_lab.runtime.postgres import PostgresStore
+    from sophos_lab.runtime.storage import postgres_storage
+    from sophos_lab.runtime.storage.blocking import Blocking
 
     url = postgres_server.new_database(postgres.url, "migrated")
-    store = PostgresStore(url)
-    store.conn  # noqa: B018 - opening migrates
-    store.close()
+    with Blocking(lambda: postgres_storage(url)) as store:
+        store.open()  # opening migrates
     return url.partition("?")[0].rsplit("/", 1)[-1]
 
 
@@ -452,8 +452,8 @@ def integrity(path) -> str:
         conn.close()
 
 
-def statuses(service, conversation) -> list[str]:
-    return [run.status for run in service.list_runs(conversation)]
+async def statuses(service, conversation) -> list[str]:
+    return [run.status for run in await service.list_runs(conversation)]
 
 
 def roles(detail) -> list[str]:
@@ -531,3 +531,12 @@ def last_bullet() -> str:
                          / "10_fetch_and_summarise.json").read_text())
     answer = next(turn["text"] for turn in script["turns"] if turn.get("pause") == "summary")
     return answer.splitlines()[-1].removeprefix("- ")
+
+
+def open_store(settings):
+    """The app tables where `settings` put them, for a test's plain (not async) code: each call
+    awaited on a loop of its own (`storage.blocking`); `store.call(users.add_user, ...)` runs a rule of `users`."""
+    from sophos_lab.runtime.storage import open_storage
+    from sophos_lab.runtime.storage.blocking import Blocking
+
+    return Blocking(lambda: open_storage(settings))

@@ -72,9 +72,9 @@ def tool_results(detail) -> list[dict]:
 async def test_a_call_that_needs_approval_waits_with_nothing_run_and_says_so(ledger_lab, open_agent):
     async with open_agent() as agent:
         conversation, events = await until_gate(agent)
-        gate = agent.pending_approval(conversation)
+        gate = await agent.pending_approval(conversation)
         detail = await agent.get_conversation(conversation)
-        [run] = agent.list_runs(conversation)
+        [run] = await agent.list_runs(conversation)
 
     final, waiting = events[-1], events[-2]
     [call] = gate.calls
@@ -91,15 +91,15 @@ async def test_a_call_that_needs_approval_waits_with_nothing_run_and_says_so(led
 async def test_an_approval_runs_the_call_once_and_the_same_approval_again_is_a_no_op(ledger_lab, open_agent):
     async with open_agent() as agent:
         conversation, _ = await until_gate(agent)
-        [call] = agent.pending_approval(conversation).calls
+        [call] = (await agent.pending_approval(conversation)).calls
         approved = await agent.approve(conversation, {call["id"]: "approve"})
         final = await approved.wait()
         again = await agent.approve(conversation, {call["id"]: "approve"})
         all_again = await agent.approve(conversation)  # "approve every call": the same decision
         with pytest.raises(SophosError) as changed:
             await agent.reject(conversation, "I changed my mind")
-        [gate] = agent.store.gates(conversation)
-        runs = agent.list_runs(conversation)
+        [gate] = await agent.store.gates(conversation)
+        runs = await agent.list_runs(conversation)
 
     assert final.event == "end" and final.data["status"] == "completed"
     assert payments(ledger_lab) == [("alice", 30)]
@@ -128,7 +128,7 @@ async def test_a_rejection_gives_the_model_the_reason_as_the_tool_result_and_run
 async def test_decisions_that_do_not_fit_the_gate_are_refused_and_decide_nothing(ledger_lab, open_agent):
     async with open_agent() as agent:
         conversation, _ = await until_gate(agent)
-        [call] = agent.pending_approval(conversation).calls
+        [call] = (await agent.pending_approval(conversation)).calls
         refusals = {}
         for label, decisions in {
             "unknown id": {call["id"]: "approve", "call-that-is-not-there": "approve"},
@@ -169,7 +169,7 @@ async def test_resume_and_new_messages_are_refused_while_waiting_and_approval_wi
         plain = await agent.ask("Hello there")
         with pytest.raises(SophosError) as nothing_waits:
             await agent.approve(plain.data["conversation"])
-        runs = agent.list_runs(conversation)
+        runs = await agent.list_runs(conversation)
 
     assert refused["resume"][0] == refused["new message"][0] == RUN_WAITING
     assert "approve" in refused["resume"][1] and "ledger__record_payment" in refused["resume"][1]
@@ -195,17 +195,17 @@ async def test_a_rejected_call_stays_rejected_when_the_rule_is_dropped_while_it_
 async def test_a_retried_approval_answers_for_its_own_gate_while_a_later_one_waits(ledger_lab, open_agent):
     async with open_agent() as agent:
         conversation, _ = await until_gate(agent)
-        first = agent.pending_approval(conversation)
+        first = await agent.pending_approval(conversation)
         approved = await agent.approve(conversation, gate=first.id)
         await approved.wait()
         second_run = await agent.chat("Now please pay 30 to alice.", conversation)
         await second_run.wait()
-        second = agent.pending_approval(conversation)
+        second = await agent.pending_approval(conversation)
         by_gate = await agent.approve(conversation, gate=first.id)  # the retry of the first approval
         by_calls = await agent.approve(conversation, {first.calls[0]["id"]: "approve"})
         with pytest.raises(SophosError) as changed:
             await agent.reject(conversation, gate=first.id)
-        still_waiting = agent.pending_approval(conversation)
+        still_waiting = await agent.pending_approval(conversation)
 
     assert second is not None and second.id != first.id
     assert (by_gate.replayed, by_gate.id) == (by_calls.replayed, by_calls.id) == (True, approved.id)

@@ -18,7 +18,7 @@ from sophos_lab.runtime.errors import (
     AGENT_FAILURE, BAD_REQUEST, CONFIG_ERROR, NOT_FOUND, RUN_NOT_RESUMABLE, SCHEMA_TOO_NEW, SophosError,
 )
 from sophos_lab.runtime.service import parse_conversation_id
-from sophos_lab.runtime.store import ListingPosition, encode_cursor
+from sophos_lab.runtime.storage.models import ListingPosition, encode_cursor
 from sophos_lab.runtime.tools import load_mcp_config
 from test_server import refusal as envelope
 
@@ -75,7 +75,7 @@ async def test_a_malformed_conversation_id_is_a_bad_request(open_service, copied
             await refusal(lambda: agent.get_conversation(bad_id)),
             await refusal(lambda: agent.export_jsonl(bad_id)),
         ]
-        [conversation] = agent.list_conversations()
+        [conversation] = await agent.list_conversations()
 
     assert {error.code for error in refusals} == {BAD_REQUEST}
     assert "Invalid Conversation ID" in refusals[0].message
@@ -126,7 +126,7 @@ async def test_an_unknown_conversation_is_not_found(open_service, copied, db_pat
             await refusal(lambda: agent.resume(unknown)),
             await refusal(lambda: agent.get_conversation(unknown)),
         ]
-        assert [c.id for c in agent.list_conversations()] == [copied]
+        assert [c.id for c in (await agent.list_conversations())] == [copied]
 
     assert {error.code for error in refusals} == {NOT_FOUND}
     assert unknown in refusals[0].message
@@ -146,7 +146,7 @@ async def test_a_cursor_naming_no_possible_position_is_a_bad_request(open_servic
     async with open_service() as agent:
         before = row_counts(db_path)
         with pytest.raises(SophosError) as refused:
-            agent.conversation_page(2, cursor)
+            await agent.conversation_page(2, cursor)
         assert row_counts(db_path) == before
 
     assert refused.value.code == BAD_REQUEST
@@ -167,9 +167,9 @@ async def test_a_cursor_is_only_ever_taken_exactly_as_the_kit_wrote_it(open_serv
         refusals = {}
         for label, cursor in respelled.items():
             with pytest.raises(SophosError) as refused:
-                agent.conversation_page(2, cursor)
+                await agent.conversation_page(2, cursor)
             refusals[label] = refused.value.code
-        assert agent.conversation_page(2, given).next_cursor is None  # the kit's own spelling is read
+        assert (await agent.conversation_page(2, given)).next_cursor is None  # the kit's own spelling is read
 
     assert refusals == dict.fromkeys(respelled, BAD_REQUEST)
 
@@ -194,7 +194,7 @@ async def test_a_gate_or_tool_call_id_utf8_cannot_store_is_a_bad_request_and_dec
             refused = await refusal(decide)
             refusals[label] = (refused.code, refused.message)
         assert row_counts(db_path) == before
-        assert agent.pending_approval(run.conversation) is not None  # the gate still waits
+        assert (await agent.pending_approval(run.conversation)) is not None  # the gate still waits
 
     assert refusals == {
         "approve the gate": (BAD_REQUEST, "The gate id is not valid Unicode: a lone surrogate '\\ud800' at "
@@ -214,8 +214,8 @@ async def test_an_empty_message_is_a_bad_request(open_service, copied, db_path, 
     async with open_service() as agent:
         new = await refusal(lambda: agent.chat(message))
         follow_up = await refusal(lambda: agent.chat(message, copied))
-        assert statuses(agent, copied) == ["completed"]
-        assert len(agent.list_conversations()) == 1
+        assert (await statuses(agent, copied)) == ["completed"]
+        assert len((await agent.list_conversations())) == 1
 
     assert new.code == follow_up.code == BAD_REQUEST
     assert "message is required" in new.message
@@ -239,7 +239,7 @@ async def test_a_malformed_mcp_json_is_refused_naming_the_file(open_service, con
     (config_dir / "mcp.json").write_text(mcp_json)
     async with open_service() as agent:
         refused = await refusal(lambda: agent.chat("hello"))
-        assert agent.list_conversations() == []
+        assert (await agent.list_conversations()) == []
 
     assert refused.code == CONFIG_ERROR
     assert str(config_dir / "mcp.json") in refused.message
@@ -355,8 +355,8 @@ async def test_a_bad_configuration_is_refused_before_anything_is_written(
         new = await refusal(lambda: agent.chat("hello"))
         follow_up = await refusal(lambda: agent.chat("hello", copied))
         resumed = await refusal(lambda: agent.resume(copied))
-        assert [c.id for c in agent.list_conversations()] == [copied]
-        assert statuses(agent, copied) == ["completed"]
+        assert [c.id for c in (await agent.list_conversations())] == [copied]
+        assert (await statuses(agent, copied)) == ["completed"]
 
     assert new.code == follow_up.code == CONFIG_ERROR
     assert resumed.code in (CONFIG_ERROR, RUN_NOT_RESUMABLE)  # `copied` has nothing to resume
@@ -370,7 +370,7 @@ async def test_a_fixed_mcp_json_is_read_again_without_a_restart(lab, open_servic
         assert (await refusal(lambda: agent.chat("hello"))).code == CONFIG_ERROR
         (config_dir / "mcp.json").write_text(good)
         end = await agent.ask("hello")
-        assert statuses(agent, end.data["conversation"]) == ["completed"]
+        assert (await statuses(agent, end.data["conversation"])) == ["completed"]
 
     assert end.data["status"] == "completed"
 
@@ -386,7 +386,7 @@ async def test_a_system_prompt_removed_during_a_run_fails_it_with_a_config_error
         (config_dir / "system.md").unlink()
         lab.web.release()
         error = await run.wait()
-        [recorded] = agent.list_runs(run.conversation)
+        [recorded] = await agent.list_runs(run.conversation)
 
     assert (error.event, error.data["code"]) == ("chat-error", CONFIG_ERROR)
     assert str(config_dir / "system.md") in error.data["message"]
@@ -410,7 +410,7 @@ async def test_a_database_with_a_newer_schema_is_refused_and_left_unchanged(open
     before = newer_schema.read_bytes()
     async with open_service() as agent:
         with pytest.raises(SophosError) as listing:
-            agent.list_conversations()
+            await agent.list_conversations()
         chatting = await refusal(lambda: agent.chat("hello"))
 
     assert listing.value.code == chatting.code == SCHEMA_TOO_NEW

@@ -214,7 +214,7 @@ def test_model_unavailable_keeps_the_model_name_and_ollamas_words(said):
 async def test_an_unknown_model_is_recorded_with_its_name_and_ollamas_words(open_service, lab):
     async with open_service(OLLAMA_MODEL="does-not-exist") as agent:
         error = await agent.ask("hello")
-        [run] = agent.list_runs(error.data["conversation"])
+        [run] = await agent.list_runs(error.data["conversation"])
 
     expected = (f'The model "does-not-exist" is not available from OLLAMA_HOST ({lab.settings().ollama_host}): '
                 "model 'does-not-exist' not found")

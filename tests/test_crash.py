@@ -72,7 +72,7 @@ async def test_a_kill_while_the_answer_streams_resumes_at_the_agent_step(lab, re
     assert on_disk(lab, conversation) == ["running"]
     async with restart() as fresh:
         assert on_disk(lab, conversation) == ["running"]  # recovery is lazy: nothing opened yet
-        [summary] = fresh.list_conversations()  # the first request opens the file
+        [summary] = await fresh.list_conversations()  # the first request opens the file
         assert fresh.store.recovered_runs == 1
         assert summary.status == on_disk(lab, conversation)[0] == "interrupted"
 
@@ -84,7 +84,7 @@ async def test_a_kill_while_the_answer_streams_resumes_at_the_agent_step(lab, re
 
         resumed = await fresh.resume(conversation)
         end = await resumed.wait()
-        assert statuses(fresh, conversation) == ["interrupted", "completed"]
+        assert (await statuses(fresh, conversation)) == ["interrupted", "completed"]
 
     assert end.data["status"] == "completed"
     assert entered(resumed.buffer) == [(3, "agent")]
@@ -109,13 +109,13 @@ async def test_a_kill_during_the_tools_step_fetches_the_page_again_on_resume(lab
 
     async with restart() as fresh:
         detail = await fresh.get_conversation(conversation)
-        assert statuses(fresh, conversation) == ["interrupted"]
+        assert (await statuses(fresh, conversation)) == ["interrupted"]
         assert (detail.next, detail.resumable) == (("tools",), True)
         assert roles(detail) == ["user", "assistant"]
 
         resumed = await fresh.resume(conversation)
         end = await resumed.wait()
-        assert statuses(fresh, conversation) == ["interrupted", "completed"]
+        assert (await statuses(fresh, conversation)) == ["interrupted", "completed"]
 
     assert end.data["status"] == "completed"
     assert entered(resumed.buffer) == [(2, "tools"), (3, "agent")]
@@ -148,7 +148,7 @@ async def test_a_kill_right_after_started_keeps_the_message_and_the_resume_answe
         assert [m["content"] for m in detail.messages if m["role"] == "user"][-1] == message
         # The accepted message counts, as the conversation shows it (pending), in the listing too.
         assert detail.conversation.message_count == len(detail.messages) == (3 if follow_up else 1)
-        assert [c.message_count for c in fresh.list_conversations()] == [len(detail.messages)]
+        assert [c.message_count for c in (await fresh.list_conversations())] == [len(detail.messages)]
         end = await (await fresh.resume(conversation)).wait()
         assert end.event == "end", end.data
         after = await fresh.get_conversation(conversation)

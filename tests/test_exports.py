@@ -63,7 +63,7 @@ async def test_checkpoints_of_a_resumed_thread_belong_to_each_run_in_turn(open_s
         conversation = (await agent.ask("hello")).data["conversation"]
     async with open_service() as agent:
         await (await agent.resume(conversation)).wait()
-        failed, completed = [run.id for run in agent.list_runs(conversation)]
+        failed, completed = [run.id for run in (await agent.list_runs(conversation))]
         records = [json.loads(line) for line in (await agent.export_jsonl(conversation)).splitlines()]
 
     assert [(r["step"], r["run_id"]) for r in records] == [

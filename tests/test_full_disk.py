@@ -148,7 +148,7 @@ async def test_chat_on_a_full_disk_is_refused_with_storage_full_and_writes_nothi
             await agent.vacuum()  # it needs room for a copy of the file
         refused_full(vacuum.value)
         # Reading goes on.
-        [listed] = agent.list_conversations()
+        [listed] = await agent.list_conversations()
         detail = await agent.get_conversation(first.conversation)
         assert (listed.status, len(detail.messages)) == ("completed", 2)
 
@@ -157,7 +157,7 @@ async def test_chat_on_a_full_disk_is_refused_with_storage_full_and_writes_nothi
         again = await agent.chat(NOTE.format(3), first.conversation, idempotency_key="full-disk-3")
         final = await again.wait()
         assert (again.replayed, final.event, final.data["status"]) == (False, "end", "completed")
-        assert [r.status for r in agent.list_runs()] == ["completed", "completed"]
+        assert [r.status for r in (await agent.list_runs())] == ["completed", "completed"]
         assert [m["content"] for m in (await agent.get_conversation(first.conversation)).messages if m["role"] == "user"] == [
             NOTE.format(1), NOTE.format(3)]
     assert integrity(disk.db) == "ok"
@@ -170,7 +170,7 @@ async def test_approve_and_reject_on_a_full_disk_are_refused_and_decide_nothing(
     async with open_service(DATABASE_PATH=str(disk.db), LEDGER_PATH=str(ledger)) as agent:
         waiting = await agent.chat("Please pay 30 to alice.")
         assert (await waiting.wait()).data["status"] == "waiting"
-        gate = agent.pending_approval(waiting.conversation)
+        gate = await agent.pending_approval(waiting.conversation)
         before = rows(disk.db)
         disk.fill()
 
@@ -181,13 +181,13 @@ async def test_approve_and_reject_on_a_full_disk_are_refused_and_decide_nothing(
         refused_full(approve.value)
         refused_full(reject.value)
         assert rows(disk.db) == before  # the gate is undecided, no run carries a decision
-        assert agent.pending_approval(waiting.conversation) == gate
+        assert (await agent.pending_approval(waiting.conversation)) == gate
         assert not ledger.exists() or not sqlite3.connect(ledger).execute("SELECT * FROM payments").fetchall()
 
         disk.free()
         approved = await agent.approve(waiting.conversation, gate=gate.id)
         assert (await approved.wait()).data["status"] == "completed"
-        assert [r.status for r in agent.list_runs(waiting.conversation)] == ["waiting", "completed"]
+        assert [r.status for r in (await agent.list_runs(waiting.conversation))] == ["waiting", "completed"]
 
 
 # --- 2. a fresh process whose first open meets the full disk --------------------------------
@@ -241,7 +241,7 @@ async def test_where_not_even_reading_is_possible_every_entry_point_says_storage
 
     async with open_service(DATABASE_PATH=str(disk.db)) as fresh:
         with pytest.raises(SophosError) as listing:
-            fresh.list_conversations()
+            await fresh.list_conversations()
         with pytest.raises(SophosError) as chat:
             await fresh.chat(NOTE.format(2), conversation)
         with lab.worker(DATABASE_PATH=str(disk.db)) as child:
@@ -255,7 +255,7 @@ async def test_where_not_even_reading_is_possible_every_entry_point_says_storage
         one_line_refusal(prune, "prune")
 
         disk.free()
-        [listed] = fresh.list_conversations()
+        [listed] = await fresh.list_conversations()
         assert (listed.id, listed.status, listed.message_count) == (conversation, "completed", 2)
     assert integrity(disk.db) == "ok"
 
@@ -282,7 +282,7 @@ async def test_a_run_the_full_disk_stopped_stays_running_and_the_next_open_with_
     assert left[2] == "running"  # a process that cannot write cannot record its own end
 
     async with open_service(DATABASE_PATH=str(disk.db)) as fresh:
-        [summary] = fresh.list_conversations()  # the first open with space recovers it
+        [summary] = await fresh.list_conversations()  # the first open with space recovers it
         assert (fresh.store.recovered_runs, summary.status) == (1, "interrupted")
         detail = await fresh.get_conversation(conversation)
         assert (detail.next, detail.resumable, [m["role"] for m in detail.messages]) == (("agent",), True, ["user"])
@@ -297,7 +297,7 @@ async def test_a_run_the_full_disk_stopped_stays_running_and_the_next_open_with_
         disk.free()
         resumed = await (await fresh.resume(conversation)).wait()
         assert resumed.event == "end"
-        assert [r.status for r in fresh.list_runs(conversation)] == ["interrupted", "completed"]
+        assert [r.status for r in (await fresh.list_runs(conversation))] == ["interrupted", "completed"]
         assert [m["role"] for m in (await fresh.get_conversation(conversation)).messages] == ["user", "assistant"]
     assert integrity(disk.db) == "ok"
 

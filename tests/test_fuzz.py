@@ -125,7 +125,7 @@ class Driven:
     """A conversation already in the database."""
 
     def stored(self) -> tuple[list[Any], list[Any]]:
-        return self.agent.list_conversations(), self.agent.list_runs()
+        return self.run(self.agent.list_conversations()), self.run(self.agent.list_runs())
 
 
 @pytest.fixture

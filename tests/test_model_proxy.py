@@ -143,7 +143,7 @@ async def test_a_kill_held_at_the_summary_resumes_at_the_agent_step_without_a_se
 
     assert on_disk(lab, conversation) == ["running"]
     async with restart() as fresh:
-        [summary] = fresh.list_conversations()
+        [summary] = await fresh.list_conversations()
         assert fresh.store.recovered_runs == 1
         assert summary.status == "interrupted"
         detail = await fresh.get_conversation(conversation)
@@ -152,7 +152,7 @@ async def test_a_kill_held_at_the_summary_resumes_at_the_agent_step_without_a_se
 
         resumed = await fresh.resume(conversation)
         end = await resumed.wait()
-        assert statuses(fresh, conversation) == ["interrupted", "completed"]
+        assert (await statuses(fresh, conversation)) == ["interrupted", "completed"]
         after = await fresh.get_conversation(conversation)
 
     assert end.data["status"] == "completed"
@@ -168,7 +168,7 @@ async def test_a_kill_held_at_the_summary_resumes_at_the_agent_step_without_a_se
 async def test_an_unknown_model_behind_the_proxy_is_model_unavailable(lab, restart):
     async with restart(OLLAMA_MODEL="does-not-exist") as agent:
         error = await agent.ask("hello")
-        [run] = agent.list_runs(error.data["conversation"])
+        [run] = await agent.list_runs(error.data["conversation"])
 
     assert error.data["code"] == MODEL_UNAVAILABLE
     assert (run.status, run.error_code) == ("failed", MODEL_UNAVAILABLE)

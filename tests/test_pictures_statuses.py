@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from sophos_lab.lab.pictures.statuses import NODES, STATUSES, TRANSITIONS, observed_runs, run_statuses
-from sophos_lab.runtime.store import RUN_STATUSES
+from sophos_lab.runtime.storage.models import RUN_STATUSES
 
 
 def runs_table(*rows: tuple[str, str, str | None, str | None]) -> pd.DataFrame:

@@ -24,10 +24,11 @@ from langgraph.checkpoint.base import empty_checkpoint
 from sophos_lab.cli import doctor
 from sophos_lab.lab import postgres_server
 from sophos_lab.lab.children import child_environment
-from sophos_lab.runtime import postgres
 from sophos_lab.runtime.errors import CONFIG_ERROR, DATABASE_UNAVAILABLE, NOT_FOUND, SESSION_IN_PROGRESS, SophosError
-from sophos_lab.runtime.postgres import PostgresStore
-from sophos_lab.runtime.store import Gate, ListingPosition, encode_cursor
+from sophos_lab.runtime.storage import postgres, postgres_storage
+from sophos_lab.runtime.storage.blocking import Blocking
+from sophos_lab.runtime.storage.models import Gate, ListingPosition, encode_cursor
+from sophos_lab.runtime.storage.postgres_retention import KEYED_TO_CONVERSATION
 from sophos_lab.runtime.service import AgentService
 from sophos_lab.runtime.settings import Settings
 
@@ -36,9 +37,10 @@ from langgraph.checkpoint.postgres import PostgresSaver
 OPEN_AND_REPORT = """
 import json, sys
 sys.stdin.readline()  # the barrier: every process is started and waiting
-from sophos_lab.runtime.postgres import PostgresStore
-store = PostgresStore(sys.argv[1])
-store.conn
+from sophos_lab.runtime.storage import postgres_storage
+from sophos_lab.runtime.storage.blocking import Blocking
+store = Blocking(lambda: postgres_storage(sys.argv[1]))
+store.open()
 print(json.dumps({"owner": store.owner.id}), flush=True)
 store.close()
 """
@@ -53,7 +55,13 @@ def url(postgres, request):
 
 def query(url: str, sql: str, *params) -> list[tuple]:
     with psycopg.connect(url, autocommit=True) as conn:
-        return conn.execute(sql, params).fetchall()
+        cursor = conn.execute(sql, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+def store_at(url: str) -> Blocking:
+    """The app tables of the database at `url`, as a newly started process opens them."""
+    return Blocking(lambda: postgres_storage(url))
 
 
 def test_processes_that_open_a_new_database_together_migrate_it_once(url):
@@ -75,25 +83,24 @@ def test_processes_that_open_a_new_database_together_migrate_it_once(url):
         (len(PostgresSaver.MIGRATIONS),) * 2]
 
 
-def a_run_of_another_host(store: PostgresStore, lease: str) -> None:
+def a_run_of_another_host(store: Blocking, url: str, lease: str) -> None:
     """Run `r-1` of conversation `c-1`, held by owner `far-1`, a process on another host (its pid
     means nothing here) whose lease runs out at `lease`, SQL on the database's clock."""
     store.create_conversation("c-1", "hello")
-    with store.transaction() as conn:
-        conn.execute(f"INSERT INTO owners VALUES ('far-1', 'elsewhere', 'boot', 1, '', '', {lease}, 0)")
-        conn.execute("INSERT INTO runs (id, conversation_id, status, started_at, owner_id)"
-                     " VALUES ('r-1', 'c-1', 'running', '', 'far-1')")
+    query(url, f"INSERT INTO owners VALUES ('far-1', 'elsewhere', 'boot', 1, '', '', {lease}, 0)")
+    query(url, "INSERT INTO runs (id, conversation_id, status, started_at, owner_id)"
+               " VALUES ('r-1', 'c-1', 'running', '', 'far-1')")
 
 
 def test_another_host_s_lease_is_read_on_the_database_s_clock(url):
-    store = PostgresStore(url)
-    a_run_of_another_host(store, "now() + interval '1 hour'")
+    store = store_at(url)
+    a_run_of_another_host(store, url, "now() + interval '1 hour'")
 
     assert store.recover() == 0
     assert store.get_run("r-1").status == "running"
 
-    with store.transaction() as conn:  # the lease ran out a second ago, by the database's clock
-        conn.execute("UPDATE owners SET lease_expires_at = now() - interval '1 second' WHERE id = 'far-1'")
+    # the lease ran out a second ago, by the database's clock
+    query(url, "UPDATE owners SET lease_expires_at = now() - interval '1 second' WHERE id = 'far-1'")
     assert store.recover() == 1
     assert store.get_run("r-1").status == "interrupted"
     assert query(url, "SELECT id FROM owners") == [(store.owner.id,)]  # the gone owner's row went too
@@ -103,8 +110,8 @@ def test_another_host_s_lease_is_read_on_the_database_s_clock(url):
 def test_a_gone_owner_frozen_inside_its_lease_renewal_does_not_hold_up_the_recovery_of_its_run(url):
     """Its row is locked by its open transaction: the run is relabelled at once, the row kept for
     a later look (waiting on it failed the recovery, and the resume with it, after lock_timeout)."""
-    store = PostgresStore(url)
-    a_run_of_another_host(store, "now() - interval '1 second'")
+    store = store_at(url)
+    a_run_of_another_host(store, url, "now() - interval '1 second'")
     with psycopg.connect(url) as frozen:  # its renewal began, and then the process stopped
         frozen.execute("UPDATE owners SET pid = pid WHERE id = 'far-1'")
 
@@ -117,9 +124,9 @@ def test_a_gone_owner_frozen_inside_its_lease_renewal_does_not_hold_up_the_recov
 
 
 def test_a_saver_whose_process_does_not_own_the_run_writes_nothing(url):
-    owner, intruder = PostgresStore(url), PostgresStore(url)
+    owner, intruder = store_at(url), store_at(url)
     owner.start_run("r-1", "c-1", [{"id": "m-1", "content": "hello"}], title="hello")
-    intruder.conn  # noqa: B018 - registered, holding nothing
+    intruder.open()  # registered, holding nothing
     config = {"configurable": {"thread_id": "c-1", "checkpoint_ns": ""}}
     checkpoint = {**empty_checkpoint(), "channel_values": {"messages": ["a blob, not a primitive"]},
                   "channel_versions": {"messages": 1}}
@@ -145,15 +152,15 @@ def test_a_saver_whose_process_does_not_own_the_run_writes_nothing(url):
 
 
 def test_two_owners_starting_a_run_on_one_conversation_at_once_start_one(url):
-    stores = [PostgresStore(url) for _ in range(2)]
+    stores = [store_at(url) for _ in range(2)]
     stores[0].create_conversation("c-1", "hello")
     for store in stores:
-        store.conn  # noqa: B018 - both open before the race
+        store.open()  # both open before the race
     outcomes: list[list[str]] = []
     for round_ in range(10):
         barrier, results = threading.Barrier(2), []
 
-        def start(store: PostgresStore, n: int) -> None:
+        def start(store: Blocking, n: int) -> None:
             barrier.wait()
             try:
                 store.start_run(f"r-{round_}-{n}", "c-1")
@@ -182,9 +189,9 @@ def test_a_database_url_that_is_not_postgresql_or_cannot_be_reached_is_a_clear_e
     assert wrong.value.code == CONFIG_ERROR and "postgresql://" in wrong.value.message
 
     unreachable = url.partition("?")[0] + f"?host={tmp_path}"  # no server's socket there
-    store = PostgresStore(unreachable)
+    store = store_at(unreachable)
     with pytest.raises(SophosError) as gone:
-        store.conn  # noqa: B018
+        store.open()
     assert gone.value.code == DATABASE_UNAVAILABLE and "Cannot reach the database" in gone.value.message
     assert not (tmp_path / "x.db").exists()
 
@@ -196,7 +203,8 @@ def test_doctor_says_what_the_database_holds(url, tmp_path, capsys):
     ok, said = postgres.check(url)
     assert ok and "no tables yet" in said
 
-    PostgresStore(url).conn.close()
+    with store_at(url) as store:
+        store.open()
     ok, said = postgres.check(url)
     assert ok and f"kit schema {postgres.SCHEMA_VERSION} of {postgres.SCHEMA_VERSION}" in said
     assert f"saver migrations {len(PostgresSaver.MIGRATIONS)} of {len(PostgresSaver.MIGRATIONS)}" in said
@@ -209,7 +217,7 @@ def test_doctor_says_what_the_database_holds(url, tmp_path, capsys):
 
 def count_rows(url: str, conversation: str) -> dict[str, int]:
     return {table: query(url, f"SELECT count(*) FROM {table} WHERE {column} = %s", conversation)[0][0]
-            for table, column in postgres._KEYED_TO_CONVERSATION}
+            for table, column in KEYED_TO_CONVERSATION}
 
 
 async def test_delete_takes_everything_keyed_to_the_conversation_and_a_dry_run_nothing(open_service, url, lab):
@@ -229,7 +237,7 @@ async def test_delete_takes_everything_keyed_to_the_conversation_and_a_dry_run_n
             there["runs"], there["checkpoints"], there["checkpoint_writes"])
         assert done.bytes > 0 and there["checkpoint_blobs"] > 0
         assert count_rows(url, doomed) == dict.fromkeys(there, 0)
-        assert [c.id for c in agent.list_conversations()] == [kept]
+        assert [c.id for c in (await agent.list_conversations())] == [kept]
 
 
 # --- migrate-to-postgres -------------------------------------------------------------------
@@ -262,8 +270,8 @@ async def test_a_sqlite_lab_copies_into_postgres_reads_back_the_same_and_resumes
     async with open_service(DATABASE_URL=url) as agent:
         after = {c: (await agent.get_conversation(c)).messages for c in (conversation, crashed)}
         assert after == before
-        assert [r.status for r in agent.store.list_runs(crashed)] == ["interrupted"]
-        assert agent.store.keyed_run("k-1").conversation_id == conversation
+        assert [r.status for r in (await agent.store.list_runs(crashed))] == ["interrupted"]
+        assert (await agent.store.keyed_run("k-1")).conversation_id == conversation
         resumed = await (await agent.resume(crashed)).wait()
         assert resumed.event == "end", resumed.data
         assert [m["role"] for m in (await agent.get_conversation(crashed)).messages][-1] == "assistant"
@@ -315,9 +323,9 @@ def test_the_cli_copies_a_lab_and_refuses_a_database_that_is_not_empty(lab, db_p
 
 
 def test_a_store_that_does_not_own_the_run_records_no_outcome_no_cancel_and_no_second_decision(url):
-    owner, other = PostgresStore(url), PostgresStore(url)
+    owner, other = store_at(url), store_at(url)
     owner.start_run("r-1", "c-1", [{"id": "m-1", "content": "hello"}], title="hello")
-    other.conn  # noqa: B018
+    other.open()
 
     assert other.finish_run("r-1", "completed", 99) is False
     assert other.request_cancel("r-1") is False
@@ -345,7 +353,7 @@ async def test_bad_ids_and_nul_characters_get_the_kit_s_errors_on_postgresql(ope
         await run.wait()
         detail = await agent.get_conversation(run.conversation)
         with pytest.raises(SophosError) as cursor:
-            agent.conversation_page(cursor=encode_cursor(ListingPosition("\x00", 1)))
+            await agent.conversation_page(cursor=encode_cursor(ListingPosition("\x00", 1)))
     assert unknown.value.code == NOT_FOUND
     assert detail.messages[0]["content"] == "a title with a \x00 in it"  # the message itself, exactly
     assert detail.conversation.title == "a title with a \ufffd in it"
@@ -360,7 +368,7 @@ def test_lab_sql_on_postgresql_keeps_percent_signs_and_question_marks_in_literal
 
 
 def test_a_store_whose_connection_the_server_ended_opens_again_as_the_same_owner(url):
-    store = PostgresStore(url)
+    store = store_at(url)
     store.create_conversation("c-1", "hello")
     owner = store.owner.id
     query(url, "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = current_database()"

@@ -25,9 +25,10 @@ from sophos_lab.lab.children import child_environment
 from sophos_lab.lab import inspect
 from sophos_lab.lab.harness import Lab
 from sophos_lab.lab.inspect import checkpoints
-from sophos_lab.runtime.postgres import PostgresStore, is_postgres_url
 from sophos_lab.runtime.errors import BAD_REQUEST, NOT_FOUND, OWNERSHIP_LOST, SESSION_IN_PROGRESS, SophosError
-from sophos_lab.runtime.store import Store
+from sophos_lab.runtime.storage import postgres_storage, sqlite_storage
+from sophos_lab.runtime.storage.blocking import Blocking
+from sophos_lab.runtime.storage.postgres import is_postgres_url
 
 # The PostgreSQL side runs in `make test-matrix`: make test tries PostgreSQL through test_postgres,
 # test_workers, test_ownership, test_users and the PostgreSQL crash matrices (see docs/testing.md).
@@ -159,7 +160,7 @@ async def test_delete_removes_the_conversation_and_everything_keyed_to_it(lab, o
         assert (removal.runs, removal.checkpoints, removal.writes) == (there["runs"], there["checkpoints"], there["writes"])
         assert removal.bytes > 0 and not removal.dry_run
         assert counts(where, doomed) == dict.fromkeys(there, 0)
-        assert [c.id for c in agent.list_conversations()] == [kept]
+        assert [c.id for c in (await agent.list_conversations())] == [kept]
         assert await thread(agent, kept) == kept_before
         with pytest.raises(SophosError) as gone:
             await agent.get_conversation(doomed)
@@ -172,14 +173,14 @@ async def test_delete_takes_the_idempotency_keys_of_its_runs_and_the_key_can_sta
     async with open_service() as agent:
         run = await agent.chat("hello", idempotency_key=key)
         await run.wait()
-        assert agent.store.keyed_run("order-7").run_id == run.id
+        assert (await agent.store.keyed_run("order-7")).run_id == run.id
 
         await agent.delete_conversation(run.conversation)
 
-        assert agent.store.keyed_run("order-7") is None
+        assert (await agent.store.keyed_run("order-7")) is None
         again = await agent.chat("hello", idempotency_key=key)
         assert (await again.wait()).event == "end"
-        assert agent.store.keyed_run("order-7").run_id == again.id
+        assert (await agent.store.keyed_run("order-7")).run_id == again.id
 
 
 async def test_a_dry_run_of_delete_says_exactly_what_would_go_and_changes_nothing(lab, open_service, where):
@@ -205,7 +206,7 @@ async def test_delete_and_prune_refuse_a_conversation_a_live_process_runs_and_ta
     the file before): its run is no obstacle, and the conversation goes with it."""
     lab = own_lab
     async with service_of(lab) as agent:
-        agent.list_conversations()  # this process has the file open before the other one's run
+        await agent.list_conversations()  # this process has the file open before the other one's run
         lab.model.arm("summary")
         with lab.worker() as child:
             child.chat(SUMMARISE.format(url=lab.page("wal.html")))
@@ -399,7 +400,7 @@ async def test_a_crashed_run_resumes_after_its_thread_is_pruned(own_lab):
         more = await fresh.ask("hello, after the resume", conversation)
         resume_request, new_request = lab.model.chat_requests()[seen:]
         final = await fresh.get_conversation(conversation)
-        assert statuses(fresh, conversation) == ["completed"] * 3 + ["interrupted", "completed", "completed"]
+        assert (await statuses(fresh, conversation)) == ["completed"] * 3 + ["interrupted", "completed", "completed"]
 
     assert (before.next, before.resumable) == (("agent",), True)
     assert after == before
@@ -448,11 +449,11 @@ def write_with_the_default_channel(lab, database, turns: list[str], crash_last: 
         from langgraph.checkpoint.postgres import PostgresSaver
         from psycopg.rows import dict_row
 
-        store = PostgresStore(database)
+        store = Blocking(lambda: postgres_storage(database))
         conn = psycopg.connect(database, autocommit=True, row_factory=dict_row)  # not fenced: no owner set
         saver = PostgresSaver(conn)
     else:
-        store = Store(database)
+        store = Blocking(lambda: sqlite_storage(database))
         conn = sqlite3.connect(database, check_same_thread=False)
         saver = SqliteSaver(conn)
     try:
@@ -491,7 +492,7 @@ async def test_a_thread_of_the_default_channel_prunes_exactly_resumes_and_contin
         mixed = await thread(agent, conversation)
         rewritten = await agent.prune_conversation(conversation, keep=1)
         last = await thread(agent, conversation)
-        assert statuses(agent, conversation) == ["completed", "completed", "interrupted", "completed", "completed"]
+        assert (await statuses(agent, conversation)) == ["completed", "completed", "interrupted", "completed", "completed"]
 
     assert (before.next, before.resumable) == (("agent",), True)
     assert roles(before) == ["user", "assistant", "user", "assistant", "user"]
@@ -517,8 +518,8 @@ async def test_vacuum_after_a_delete_gives_the_space_back_and_keeps_everything_e
         for _ in range(4):  # runs of the three interleaved
             for conversation in (doomed, kept, third):
                 await talk(agent, lab, 1, conversation)
-        listed = [c.id for c in agent.list_conversations() if c.id != doomed]
-        runs = [run.id for run in agent.list_runs() if run.conversation_id != doomed]
+        listed = [c.id for c in (await agent.list_conversations()) if c.id != doomed]
+        runs = [run.id for run in (await agent.list_runs()) if run.conversation_id != doomed]
         kept_before = await thread(agent, kept)
         await agent.delete_conversation(doomed)
 
@@ -526,8 +527,8 @@ async def test_vacuum_after_a_delete_gives_the_space_back_and_keeps_everything_e
         if not on_postgres(where):
             assert vacuum.bytes_after == Path(where).stat().st_size  # the WAL is folded back in
 
-        assert [c.id for c in agent.list_conversations()] == listed
-        assert [run.id for run in agent.list_runs()] == runs
+        assert [c.id for c in (await agent.list_conversations())] == listed
+        assert [run.id for run in (await agent.list_runs())] == runs
         assert await thread(agent, kept) == kept_before
         assert (await agent.ask("hello after the vacuum", kept)).event == "end"
     assert vacuum.free_bytes_before is None if on_postgres(where) else vacuum.free_bytes_before > 0
@@ -616,7 +617,7 @@ async def test_cli_delete_prune_and_vacuum_change_the_database_and_only_it(lab, 
     assert prune.stdout.startswith(f"{pruned}: pruned ") and "kept 1 checkpoints" in prune.stdout
     assert "bytes before VACUUM" in vacuum.stdout
     async with open_service() as agent:
-        assert [c.id for c in agent.list_conversations()] == [pruned]
+        assert [c.id for c in (await agent.list_conversations())] == [pruned]
         assert await thread(agent, pruned) == before
     assert memory.read_bytes() == remembered
     assert "MEMORY_FILE_PATH" in sophos_lab(tmp_path, "prune", "--help").stdout

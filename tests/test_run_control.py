@@ -16,7 +16,8 @@ from sophos_lab.runtime.errors import (
     TIMEOUT, SophosError,
 )
 from sophos_lab.runtime.settings import Settings
-from sophos_lab.runtime.store import Store
+from sophos_lab.runtime.storage import sqlite_storage
+from sophos_lab.runtime.storage.blocking import Blocking
 
 # The PostgreSQL side runs in `make test-matrix`: make test tries PostgreSQL through test_postgres,
 # test_workers, test_ownership, test_users and the PostgreSQL crash matrices (see docs/testing.md).
@@ -44,7 +45,7 @@ async def test_cancel_mid_answer_stops_the_stream_records_cancelled_and_the_run_
         run = await agent.chat("Write an essay on durable execution.")
         await asyncio.to_thread(lab.model.wait_paused)
         final = await agent.cancel(run.conversation)
-        [row] = agent.list_runs(run.conversation)
+        [row] = await agent.list_runs(run.conversation)
         detail = await agent.get_conversation(run.conversation)
         lab.model.release()  # nothing waits on it any more: the client hung up
 
@@ -56,7 +57,7 @@ async def test_cancel_mid_answer_stops_the_stream_records_cancelled_and_the_run_
     assert (detail.next, detail.resumable) == (("agent",), True)  # the answer was not saved half-way
     assert [m["role"] for m in detail.messages] == ["user"]
     assert resumed.event == "end"
-    assert statuses(agent, run.conversation) == ["cancelled", "completed"]
+    assert (await statuses(agent, run.conversation)) == ["cancelled", "completed"]
 
 
 async def test_cancel_while_a_tool_call_hangs_abandons_the_call_and_keeps_the_saved_steps(lab, open_service):
@@ -87,7 +88,7 @@ async def test_cancel_with_nothing_running_is_refused_and_writes_nothing(open_se
             await agent.cancel("00000000-0000-4000-8000-000000000000")
         with pytest.raises(SophosError) as malformed:
             await agent.cancel("not-a-uuid")
-        [row] = agent.list_runs(done.data["conversation"])
+        [row] = await agent.list_runs(done.data["conversation"])
 
     assert idle.value.code == RUN_NOT_ACTIVE
     assert (unknown.value.code, malformed.value.code) == (NOT_FOUND, BAD_REQUEST)
@@ -111,7 +112,7 @@ async def test_a_cancel_at_any_point_of_a_run_records_exactly_one_outcome_and_sa
             except SophosError as refused:  # the run had ended and left: nothing to cancel
                 assert refused.code == RUN_NOT_ACTIVE
                 final = await run.wait()
-            [row] = agent.list_runs(run.conversation)
+            [row] = await agent.list_runs(run.conversation)
             said = final.data.get("code") or final.data["status"]
             assert (row.status, row.error_code or row.status) in (("cancelled", CANCELLED), ("completed", "completed"))
             assert said == (row.error_code or row.status), (point, final, row)
@@ -122,26 +123,28 @@ async def test_a_cancel_at_any_point_of_a_run_records_exactly_one_outcome_and_sa
 
 
 def test_a_cancel_accepted_before_a_crash_is_recovered_as_cancelled(db_path):
-    crashed = Store(db_path)
+    crashed = Blocking(lambda: sqlite_storage(db_path))
     crashed.start_run("run-1", "c-1", [{"id": "m-1", "content": "hi"}], title="hi")
     assert crashed.request_cancel("run-1")
     assert not crashed.request_cancel("run-1")  # once is enough
     crashed.close()  # as if the process died: its runs are recoverable, nothing recorded them
 
-    after = Store(db_path)
+    after = Blocking(lambda: sqlite_storage(db_path))
     run = after.get_run("run-1")
 
-    assert after.recovered_runs == 1
+    recovered = after.recovered_runs
+    after.close()
+    assert recovered == 1
     assert (run.status, run.error_code, run.error_message) == ("cancelled", CANCELLED, "Cancelled by user")
 
 
 def test_a_cancel_is_not_written_once_the_outcome_is(db_path):
-    store = Store(db_path)
-    store.start_run("run-1", "c-1", title="hi")
-    store.finish_run("run-1", "completed", 2)
+    with Blocking(lambda: sqlite_storage(db_path)) as store:
+        store.start_run("run-1", "c-1", title="hi")
+        store.finish_run("run-1", "completed", 2)
 
-    assert not store.request_cancel("run-1")
-    assert store.get_run("run-1").cancel_requested_at is None
+        assert not store.request_cancel("run-1")
+        assert store.get_run("run-1").cancel_requested_at is None
 
 
 def test_cancel_during_a_payment_does_not_undo_it_and_only_a_keyed_tool_is_safe_to_resume(lab_home):
@@ -250,7 +253,7 @@ async def test_a_model_that_keeps_failing_ends_with_model_unreachable_naming_the
     async with open_service(SOPHOS_LAB_MODEL_ATTEMPTS="3", **FAST_RETRIES) as agent:
         run = await agent.chat("Hello there")
         events = await all_events(run)
-        [row] = agent.list_runs(run.conversation)
+        [row] = await agent.list_runs(run.conversation)
         detail = await agent.get_conversation(run.conversation)
 
     assert (events[-1].event, events[-1].data["code"]) == ("chat-error", MODEL_UNREACHABLE)
@@ -324,7 +327,7 @@ async def test_a_hanging_tool_is_cut_by_its_time_limit_and_the_run_fails_with_ti
         await agent.tools.get()
         run = await agent.chat(f"Fetch {page}")
         events = await all_events(run)
-        [row] = agent.list_runs(run.conversation)
+        [row] = await agent.list_runs(run.conversation)
         detail = await agent.get_conversation(run.conversation)
     lab.web.release()
 

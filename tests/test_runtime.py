@@ -41,7 +41,7 @@ def words(text: str) -> int:
 
 async def test_a_new_service_reads_a_finished_conversation_back(fetched, open_service):
     async with open_service(DATABASE_PATH=str(fetched.db_path)) as fresh:
-        [summary] = fresh.list_conversations()
+        [summary] = await fresh.list_conversations()
         detail = await fresh.get_conversation(fetched.conversation)
         assert not fresh.tools.discovered  # reading never starts the MCP servers
 
@@ -117,7 +117,7 @@ async def test_a_tool_error_is_data_for_the_model_and_the_run_completes(open_ser
         end = await agent.ask(MISSING_ENTITY)
     async with open_service() as fresh:
         detail = await fresh.get_conversation(end.data["conversation"])
-        [run] = fresh.list_runs(end.data["conversation"])
+        [run] = await fresh.list_runs(end.data["conversation"])
 
     failed_call, retry = [m for m in detail.messages if m["role"] == "tool"]
     assert (failed_call["name"], failed_call["status"]) == ("memory__add_observations", "error")
@@ -143,7 +143,7 @@ async def test_a_dead_model_port_fails_the_run_and_a_resume_completes_it(lab, op
     async with open_service() as back:
         end = await (await back.resume(conversation)).wait()
         resumed = await back.get_conversation(conversation)
-        assert statuses(back, conversation) == ["failed", "completed"]
+        assert (await statuses(back, conversation)) == ["failed", "completed"]
 
     assert end.data["status"] == "completed"
     assert roles(resumed) == ["user", "assistant", "tool", "assistant"]
@@ -153,7 +153,7 @@ async def test_an_unknown_model_is_model_unavailable(open_service):
     async with open_service(OLLAMA_MODEL="does-not-exist") as agent:
         error = await agent.ask("hello")
         detail = await agent.get_conversation(error.data["conversation"])
-        [run] = agent.list_runs(error.data["conversation"])
+        [run] = await agent.list_runs(error.data["conversation"])
 
     assert error.data["code"] == MODEL_UNAVAILABLE
     assert (run.status, run.error_code) == ("failed", MODEL_UNAVAILABLE)
@@ -164,7 +164,7 @@ async def test_an_endless_tool_loop_hits_the_recursion_limit_and_stays_resumable
     async with open_service(AGENT_RECURSION_LIMIT="5") as agent:
         error = await agent.ask("loop forever")
         detail = await agent.get_conversation(error.data["conversation"])
-        [run] = agent.list_runs(error.data["conversation"])
+        [run] = await agent.list_runs(error.data["conversation"])
 
     assert error.data["code"] == RECURSION_LIMIT
     assert (run.status, run.error_code) == ("failed", RECURSION_LIMIT)
@@ -200,7 +200,7 @@ async def test_the_database_refuses_a_second_running_run_from_another_service(la
     lab.web.hold("/index.html")
     try:
         async with open_service() as first, open_service() as second:
-            second.list_conversations()  # open the file now, before the first service's run
+            await second.list_conversations()  # open the file now, before the first service's run
             run = await first.chat(f"Fetch {lab.page('index.html')}")
             await asyncio.to_thread(lab.web.wait_held)
 
@@ -220,7 +220,7 @@ async def test_a_finished_thread_is_not_resumable(fetched, open_service):
     async with open_service(DATABASE_PATH=str(fetched.db_path)) as fresh:
         with pytest.raises(SophosError) as refused:
             await fresh.resume(fetched.conversation)
-        assert statuses(fresh, fetched.conversation) == ["completed"]
+        assert (await statuses(fresh, fetched.conversation)) == ["completed"]
 
     assert refused.value.code == RUN_NOT_RESUMABLE
 
@@ -279,7 +279,7 @@ async def test_concurrent_first_use_opens_one_saver_and_closing_releases_the_fil
 
     async with open_service() as agent:
         await asyncio.gather(agent.open(), agent.open(), agent.open())
-        assert handles() == 2, "one connection for the app tables, one for the saver"
+        assert handles() == 3, "two connections for the app tables (one writes, one reads), one for the saver"
     assert handles() == 0, "a connection was left open after aclose()"
 
 
@@ -288,7 +288,7 @@ async def test_two_runs_in_one_process_both_record_their_outcome(open_service):
         runs = [await agent.chat("Hello from the first"), await agent.chat("Hello from the second")]
         finals = await asyncio.gather(*(run.wait() for run in runs))
         assert [f.event for f in finals] == ["end", "end"]
-        assert {r.status for r in agent.list_runs()} == {"completed"}
+        assert {r.status for r in (await agent.list_runs())} == {"completed"}
 
 
 async def test_with_a_short_lease_every_final_event_matches_the_record(open_service):
@@ -299,7 +299,7 @@ async def test_with_a_short_lease_every_final_event_matches_the_record(open_serv
         for _ in range(2):  # 4 of 200 ended OWNERSHIP_LOST before renewals skipped recorded runs
             runs = await asyncio.gather(*[agent.chat(f"hello {i}") for i in range(100)])
             finals += [(run.id, await run.wait()) for run in runs]
-        recorded = {run.id: run.status for run in agent.list_runs()}
+        recorded = {run.id: run.status for run in (await agent.list_runs())}
 
     assert {(final.event, final.data.get("status", final.data.get("code"))) for _, final in finals} == {("end", "completed")}
     assert set(recorded.values()) == {"completed"} and len(recorded) == 200

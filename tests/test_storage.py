@@ -39,7 +39,7 @@ from sophos_lab.runtime.agent import (
 )
 from sophos_lab.runtime.messages import message_dtos
 from sophos_lab.runtime.service import thread_config
-from sophos_lab.runtime.store import Store
+from sophos_lab.runtime.storage import sqlite_storage
 from sophos_lab.runtime.tools import McpTools
 
 SERDE = JsonPlusSerializer()
@@ -108,7 +108,7 @@ async def test_the_latest_checkpoints_do_not_hold_the_first_message(open_service
         after_two = rows_holding(db_path, note(1))
         await chat_turns(agent, range(3, 11), conversation)
         after_ten = rows_holding(db_path, note(1))
-        latest_run = agent.list_runs(conversation)[-1].id
+        latest_run = (await agent.list_runs(conversation))[-1].id
 
     assert after_ten == after_two  # stored where it was added, and nowhere again
     checkpoints = views.checkpoints(db_path, conversation)
@@ -192,12 +192,12 @@ async def old_run(settings, message: str, conversation: str | None = None, stop_
     gone, as a killed process does."""
     new = conversation is None
     conversation = conversation or str(uuid.uuid4())
-    store = Store(settings.database_path)
+    store = sqlite_storage(settings.database_path)
     tools = McpTools(settings, log_dir=settings.database_path.parent / "logs")
     parts = AgentParts(model=lambda: chat_model(settings), tools=tools.get,
                        system_prompt=lambda: read_system_prompt(settings))
     run_id, message_id = str(uuid.uuid4()), str(uuid.uuid4())
-    store.start_run(run_id, conversation, [{"id": message_id, "content": message}], message if new else None)
+    await store.start_run(run_id, conversation, [{"id": message_id, "content": message}], message if new else None)
     conn = await aiosqlite.connect(settings.database_path)
     try:
         saver = AsyncSqliteSaver(conn)
@@ -210,12 +210,12 @@ async def old_run(settings, message: str, conversation: str | None = None, stop_
                 if chunk["type"] == "task" and chunk["step"] == stop_at_step:
                     return conversation
         state = await graph.aget_state(thread_config(conversation))
-        store.finish_run(run_id, "completed", len(message_dtos(state.values["messages"])))
+        await store.finish_run(run_id, "completed", len(message_dtos(state.values["messages"])))
         return conversation
     finally:
         await tools.aclose()
         await conn.close()
-        store.close()
+        await store.aclose()
 
 
 @pytest.fixture(scope="module")
@@ -274,11 +274,11 @@ async def test_a_run_cut_off_in_an_old_file_resumes_without_fetching_again(old_c
     old = old_copy
     fetched_before = lab.fetches("wal.html")
     async with open_service(DATABASE_PATH=str(old.db_path)) as agent:
-        assert [c.status for c in agent.list_conversations() if c.id == old.cut_off] == ["interrupted"]
+        assert [c.status for c in (await agent.list_conversations()) if c.id == old.cut_off] == ["interrupted"]
         before = await agent.get_conversation(old.cut_off)
         end = await (await agent.resume(old.cut_off)).wait()
         after = await agent.get_conversation(old.cut_off)
-        assert statuses(agent, old.cut_off) == ["interrupted", "completed"]
+        assert (await statuses(agent, old.cut_off)) == ["interrupted", "completed"]
 
     assert (before.next, before.resumable, roles(before)) == (("agent",), True, ["user", "assistant", "tool"])
     assert end.event == "end"
@@ -299,7 +299,7 @@ async def test_an_old_thread_goes_on_with_new_messages(old_copy, open_service):
     async with open_service(DATABASE_PATH=str(old.db_path)) as fresh:
         after = await fresh.get_conversation(old.finished)
         records = [json.loads(line) for line in (await fresh.export_jsonl(old.finished)).splitlines()]
-        [summary] = [c for c in fresh.list_conversations() if c.id == old.finished]
+        [summary] = [c for c in (await fresh.list_conversations()) if c.id == old.finished]
 
     assert after.messages[:4] == before.messages
     assert [m["content"] for m in after.messages[4:]][::2] == [note(1), note(2)]

@@ -7,7 +7,10 @@ import pytest
 
 from sophos_lab.runtime.errors import IDEMPOTENCY_KEY_REUSED, SCHEMA_TOO_NEW, SESSION_IN_PROGRESS, SophosError
 from sophos_lab.lab.inspect import peek_runs
-from sophos_lab.runtime.store import SCHEMA_VERSION, IdempotencyKey, Store, title_from_message
+from sophos_lab.runtime.storage import postgres_storage, sqlite_storage
+from sophos_lab.runtime.storage.blocking import Blocking
+from sophos_lab.runtime.storage.models import IdempotencyKey, title_from_message
+from sophos_lab.runtime.storage.sqlite_schema import MIGRATIONS, SCHEMA_VERSION
 
 CONVERSATION = "6f1c7f1e-9a62-4c4e-9a55-0c2b1f0e6a11"
 
@@ -15,13 +18,30 @@ CONVERSATION = "6f1c7f1e-9a62-4c4e-9a55-0c2b1f0e6a11"
 pytestmark = pytest.mark.both_backends  # the tests that take `store` alone run on PostgreSQL too
 
 
-def store_of(database: dict[str, str], **options) -> Store:
-    """A store on this test's database, as a newly started process makes one."""
+def store_of(database: dict[str, str], **options) -> Blocking:
+    """A store on this test's database, as a newly started process makes one (its calls
+    awaited on a loop of its own: see `storage.blocking`)."""
     if "DATABASE_URL" in database:
-        from sophos_lab.runtime.postgres import PostgresStore
+        return Blocking(lambda: postgres_storage(database["DATABASE_URL"], **options))
+    return Blocking(lambda: sqlite_storage(Path(database["DATABASE_PATH"]), **options))
 
-        return PostgresStore(database["DATABASE_URL"], **options)
-    return Store(Path(database["DATABASE_PATH"]), **options)
+
+def sql(database: dict[str, str], statement: str, params: dict | None = None) -> list[tuple]:
+    """A statement (`:name` parameters) on this test's database, on a connection of its own, committed."""
+    if "DATABASE_URL" in database:
+        import re
+
+        import psycopg
+
+        with psycopg.connect(database["DATABASE_URL"], autocommit=True) as conn:
+            cursor = conn.execute(re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", statement), params or {})
+            return cursor.fetchall() if cursor.description else []
+    conn = sqlite3.connect(database["DATABASE_PATH"], isolation_level=None)
+    try:
+        conn.execute("PRAGMA foreign_keys = ON")
+        return conn.execute(statement, params or {}).fetchall()
+    finally:
+        conn.close()
 
 
 @pytest.fixture
@@ -48,10 +68,10 @@ def tables(path) -> set[str]:
         conn.close()
 
 
-def reopen(path) -> Store:
-    """A new Store on the same file, as a newly started process would make."""
-    store = Store(path)
-    store.conn  # noqa: B018 - the first open migrates and recovers
+def reopen(path) -> Blocking:
+    """A new store on the same file, as a newly started process would make, opened."""
+    store = Blocking(lambda: sqlite_storage(path))
+    store.open()  # the first open migrates and recovers
     return store
 
 
@@ -59,9 +79,9 @@ def reopen(path) -> Store:
 
 
 def test_nothing_is_opened_or_created_before_first_use(db_path):
-    store = Store(db_path)
-    assert not store.is_open
-    assert not db_path.exists()
+    with Blocking(lambda: sqlite_storage(db_path)) as store:
+        assert not store.is_open
+        assert not db_path.exists()
 
 
 def test_first_open_applies_the_migrations_and_records_the_version(store, db_path):
@@ -90,8 +110,8 @@ def test_a_newer_schema_is_refused_and_the_file_is_left_unchanged(db_path):
     conn.close()
     before = db_path.read_bytes()
 
-    with pytest.raises(SophosError) as refused:
-        Store(db_path).list_conversations()
+    with pytest.raises(SophosError) as refused, Blocking(lambda: sqlite_storage(db_path)) as store:
+        store.list_conversations()
 
     assert refused.value.code == SCHEMA_TOO_NEW
     assert str(db_path) in refused.value.message
@@ -198,7 +218,7 @@ def test_conversations_are_listed_most_recent_first_with_their_latest_outcome(st
 @pytest.fixture
 def left_running(db_path):
     """A file with one run left `running`, as a killed process leaves it."""
-    store = Store(db_path)
+    store = Blocking(lambda: sqlite_storage(db_path))
     store.create_conversation(CONVERSATION, "hello")
     store.start_run("run-1", CONVERSATION)
     store.close()
@@ -249,8 +269,6 @@ def test_a_clean_file_recovers_nothing(store):
 def test_a_version_1_file_upgrades_in_place_keeping_its_rows(db_path):
     """A file as version 1 wrote it: the tables of the first migration, one finished run and one
     left `running` (its process died). Opening it adds the ownership columns and table."""
-    from sophos_lab.runtime.store import MIGRATIONS
-
     conn = sqlite3.connect(db_path)
     conn.executescript(f"BEGIN; {MIGRATIONS[0]}; PRAGMA user_version = 1; COMMIT;")
     conn.execute("INSERT INTO conversations VALUES (?, 'hello', 't0', 't1', 2)", (CONVERSATION,))
@@ -277,8 +295,6 @@ def test_a_version_1_file_upgrades_in_place_keeping_its_rows(db_path):
 
 def test_a_version_2_file_gains_the_prune_record_in_place(db_path):
     """Schema version 3 adds `prunes` (what `sophos-lab prune` deleted); a version-2 file keeps its rows."""
-    from sophos_lab.runtime.store import MIGRATIONS
-
     conn = sqlite3.connect(db_path)
     conn.executescript(f"BEGIN; {MIGRATIONS[0]}; {MIGRATIONS[1]}; PRAGMA user_version = 2; COMMIT;")
     conn.execute("INSERT INTO conversations VALUES (?, 'hello', 't0', 't1', 2)", (CONVERSATION,))
@@ -300,8 +316,6 @@ def test_a_version_2_file_gains_the_prune_record_in_place(db_path):
 def test_a_version_6_file_gains_the_waiting_status_and_gates_keeping_its_rows_and_references(db_path):
     """Version 7 rebuilds `runs` (a CHECK changes only so) for `waiting`, and adds `gates`: a
     version-6 file keeps its runs in order, its idempotency keys and their cascades."""
-    from sophos_lab.runtime.store import MIGRATIONS
-
     conn = sqlite3.connect(db_path)
     conn.executescript("BEGIN; " + "; ".join(MIGRATIONS[:6]) + "; PRAGMA user_version = 6; COMMIT;")
     conn.execute("PRAGMA foreign_keys = ON")
@@ -322,10 +336,11 @@ def test_a_version_6_file_gains_the_waiting_status_and_gates_keeping_its_rows_an
         assert [(run.id, run.status, run.cancel_requested_at) for run in store.list_runs(CONVERSATION)] == [
             ("run-b", "completed", None), ("run-a", "cancelled", "t1")]
         assert store.keyed_run("key-1").run_id == "run-b"
-        store.conn.execute("UPDATE runs SET status = 'waiting' WHERE id = 'run-a'")
-        assert store.conn.execute("PRAGMA foreign_key_check").fetchall() == []
-        store.conn.execute("DELETE FROM conversations WHERE id = ?", (CONVERSATION,))
-        assert store.conn.execute("SELECT count(*) FROM runs").fetchone()[0] == 0  # cascades still hold
+        database = {"DATABASE_PATH": str(db_path)}
+        sql(database, "UPDATE runs SET status = 'waiting' WHERE id = 'run-a'")
+        assert sql(database, "PRAGMA foreign_key_check") == []
+        sql(database, "DELETE FROM conversations WHERE id = :id", {"id": CONVERSATION})
+        assert sql(database, "SELECT count(*) FROM runs") == [(0,)]  # cascades still hold
         assert store.keyed_run("key-1") is None
     finally:
         store.close()
@@ -352,38 +367,21 @@ def left_by(database, run_id: str, **owner) -> None:
 
     from sophos_lab.runtime.ownership import Owner
 
-    store = store_of(database)
-    store.conn  # noqa: B018
-    if CONVERSATION not in [c.id for c in store.list_conversations()]:
-        store.create_conversation(CONVERSATION, "hello")
+    with store_of(database) as store:  # migrated; its own owner row goes when it closes
+        if CONVERSATION not in [c.id for c in store.list_conversations()]:
+            store.create_conversation(CONVERSATION, "hello")
     here = Owner.here()
     row = {
         "id": f"owner-{run_id}", "host": here.host, "boot_id": here.boot_id, "pid": here.pid,
         "pid_started": here.pid_started, "opened_at": "t0", "lease_expires_at": time.time() + 60,
         "lease_expires_monotonic": time.monotonic() + 60, **owner,
     }
-    if "DATABASE_URL" in database:
-        store.conn.execute(
-            "INSERT INTO owners VALUES (%(id)s, %(host)s, %(boot_id)s, %(pid)s, %(pid_started)s, %(opened_at)s,"
-            " to_timestamp(%(lease_expires_at)s), %(lease_expires_monotonic)s)", row)
-        store.conn.execute(
-            "INSERT INTO runs (id, conversation_id, status, started_at, owner_id) VALUES (%s, %s, 'running', 't0', %s)",
-            (run_id, CONVERSATION, row["id"]))
-        store.conn.execute("DELETE FROM owners WHERE id = %s", (store.owner.id,))
-        store.conn.close()
-        store._conn = None
-        return
-    store.conn.execute(
-        "INSERT INTO owners VALUES (:id, :host, :boot_id, :pid, :pid_started, :opened_at, :lease_expires_at,"
-        " :lease_expires_monotonic)", row
-    )
-    store.conn.execute(
-        "INSERT INTO runs (id, conversation_id, status, started_at, owner_id) VALUES (?, ?, 'running', 't0', ?)",
-        (run_id, CONVERSATION, row["id"]),
-    )
-    store.conn.execute("DELETE FROM owners WHERE id = ?", (store.owner.id,))
-    store.conn.close()  # as a process that dies: its own owner row is gone, the others stay
-    store._conn = None
+    wall = "to_timestamp(:lease_expires_at)" if "DATABASE_URL" in database else ":lease_expires_at"
+    sql(database, "INSERT INTO owners VALUES (:id, :host, :boot_id, :pid, :pid_started, :opened_at,"
+                  f" {wall}, :lease_expires_monotonic)", row)
+    sql(database, "INSERT INTO runs (id, conversation_id, status, started_at, owner_id)"
+                  " VALUES (:run_id, :conversation, 'running', 't0', :owner)",
+        {"run_id": run_id, "conversation": CONVERSATION, "owner": row["id"]})
 
 
 @pytest.mark.parametrize(
@@ -406,7 +404,7 @@ def test_recovery_relabels_a_run_only_when_its_owner_is_gone(database, owner, re
         owner["pid"] = a_dead_pid()
     left_by(database, "run-1", **owner)
     store = store_of(database)
-    store.conn  # noqa: B018 - the first open recovers
+    store.open()  # the first open recovers
     try:
         assert store.get_run("run-1").status == ("interrupted" if recovered else "running")
         assert store.recovered_runs == int(recovered)
@@ -430,7 +428,7 @@ def test_an_outcome_is_not_recorded_for_a_run_another_owner_took_over(database):
     store = store_of(database)
     store.create_conversation(CONVERSATION, "hello")
     store.start_run("run-1", CONVERSATION)
-    store.conn.execute("UPDATE runs SET status = 'interrupted' WHERE id = 'run-1'")  # taken over
+    sql(database, "UPDATE runs SET status = 'interrupted' WHERE id = 'run-1'")  # taken over
     try:
         assert store.finish_run("run-1", "completed", 4) is False
         assert store.get_run("run-1").status == "interrupted"
@@ -451,7 +449,7 @@ def test_single_owner_mode_relabels_every_running_run_as_the_original_did(databa
 
 def open_and_list(db_path: str, barrier, results) -> None:
     """A process that opens the file as soon as every other one is ready (see below)."""
-    store = Store(Path(db_path))
+    store = Blocking(lambda: sqlite_storage(Path(db_path)))
     barrier.wait()
     try:
         store.list_conversations()
@@ -466,8 +464,6 @@ def open_and_list(db_path: str, barrier, results) -> None:
 def test_processes_opening_one_file_at_once_migrate_it_once(tmp_path, start):
     """Four processes open a new (or a version-1) file at the same moment, five times over."""
     import multiprocessing
-
-    from sophos_lab.runtime.store import MIGRATIONS
 
     spawn = multiprocessing.get_context("fork")  # the children only open SQLite
     outcomes = []

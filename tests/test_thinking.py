@@ -64,7 +64,7 @@ async def test_a_model_that_cannot_think_is_a_clear_error_naming_it(open_service
     (config_dir / "mcp.json").write_text("{}")
     async with open_service(OLLAMA_HOST=no_thinking_model, OLLAMA_THINK="true") as agent:
         refused = await agent.ask("hello")
-        [run] = agent.list_runs(refused.data["conversation"])
+        [run] = await agent.list_runs(refused.data["conversation"])
     async with open_service(OLLAMA_HOST=no_thinking_model) as agent:
         fine = await agent.ask("hello")
 

@@ -17,7 +17,7 @@ async def test_the_same_key_twice_starts_one_run_and_returns_it(open_service):
         repeat_while_running = await agent.chat("Hello there", idempotency_key="greeting-1")
         final = await first.wait()
         repeat_after = await agent.chat("Hello there", idempotency_key="greeting-1")
-        runs = agent.list_runs()
+        runs = await agent.list_runs()
 
     assert repeat_while_running is first  # still running here: the same run, to follow
     assert (repeat_after.replayed, repeat_after.id, repeat_after.conversation) == (True, first.id, first.conversation)
@@ -31,7 +31,7 @@ async def test_a_repeat_after_a_restart_returns_the_first_run(open_service):
     async with open_service() as restarted:
         repeat = await restarted.chat("Hello there", idempotency_key="greeting-2")
         events = [event.event for event in repeat.buffer]
-        runs = restarted.list_runs()
+        runs = await restarted.list_runs()
 
     assert (repeat.replayed, repeat.id) == (True, first.data["run"])
     assert events == ["started", "end"]
@@ -55,7 +55,7 @@ async def test_the_same_key_with_another_request_is_refused(open_service):
             with pytest.raises(SophosError) as error:
                 await agent.chat("Hello there", idempotency_key=bad)
             assert error.value.code == BAD_REQUEST
-        runs = agent.list_runs()
+        runs = await agent.list_runs()
 
     assert set(refused.values()) == {IDEMPOTENCY_KEY_REUSED}
     assert len(runs) == 1  # nothing refused wrote a run
@@ -67,7 +67,7 @@ async def test_racing_repeats_in_one_process_start_one_run(open_service):
     async with open_service() as agent:
         runs = await asyncio.gather(*(agent.chat("Hello there", idempotency_key="greeting-4") for _ in range(5)))
         await asyncio.gather(*(run.wait() for run in runs))
-        rows = agent.list_runs()
+        rows = await agent.list_runs()
 
     assert len({run.id for run in runs}) == 1
     assert len(rows) == 1
@@ -92,7 +92,7 @@ def test_a_repeat_of_a_key_whose_process_died_mid_run_recovers_that_run_and_retu
         agent = lab.service(**files)
         try:
             run = await agent.chat(message, idempotency_key="essay-1")
-            return run, await run.wait(), agent.list_runs()
+            return run, await run.wait(), (await agent.list_runs())
         finally:
             await agent.aclose()
 

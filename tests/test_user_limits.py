@@ -16,8 +16,8 @@ import pytest
 
 from sophos_lab.runtime import users
 from sophos_lab.runtime.errors import STEP_BUDGET_SPENT, TOO_MANY_RUNS, SophosError
-from sophos_lab.runtime.service import open_store
-from sophos_lab.runtime.store import utc_now
+from conftest import open_store
+from sophos_lab.runtime.storage.models import utc_now
 from sophos_lab.runtime.tools import user_memory_path
 
 LIMITS = {"SOPHOS_LAB_USER_MAX_RUNNING": "2", "SOPHOS_LAB_USER_MAX_QUEUED": "3"}
@@ -52,7 +52,12 @@ def queue_store(lab, request, postgres, migrated_template):
 
 
 def add(store, name: str) -> users.User:
-    return users.add_user(store, name, utc_now())[0]
+    return store.call(users.add_user, name, utc_now())[0]
+
+
+async def added(storage, name: str) -> users.User:
+    """`add`, on a service's own storage (awaited on its loop)."""
+    return (await users.add_user(storage, name, utc_now()))[0]
 
 
 def start(store, user: users.User | None, queued: bool = False) -> str:
@@ -91,7 +96,7 @@ def test_a_run_whose_process_was_killed_holds_no_place_in_its_user_s_running_lim
     token = lab.add_user("ada", **database)
     store = open_store(lab.settings(**settings))
     try:
-        ada = users.find_user(store, "ada")  # open (and swept) before her run: no sweep helps later
+        ada = store.call(users.find_user, "ada")  # open (and swept) before her run: no sweep helps later
         lab.model.arm("summary")
         with lab.server(**settings) as server:
             started = httpx.post(f"{server.url}/api/chat", headers={"Authorization": f"Bearer {token}"},
@@ -172,10 +177,10 @@ async def test_a_run_that_takes_its_user_s_steps_for_one_run_stops_with_step_bud
     """The fetch takes three graph steps (model, tool, model); a user's runs may take two each."""
     message = f"Fetch {lab.page('index.html')}"
     async with open_service(SOPHOS_LAB_USER_MAX_STEPS_PER_RUN="2") as agent:
-        ada = add(agent.store, "ada")
+        ada = await added(agent.store, "ada")
         run, final = await chat_as(agent, ada, message)
         stopped = await agent.get_conversation(run.conversation)
-        [row] = agent.list_runs(run.conversation)
+        [row] = await agent.list_runs(run.conversation)
         resumed = await resume_as(agent, ada, run.conversation)
         done = await agent.get_conversation(run.conversation)
         _, unbudgeted = await chat_as(agent, None, message)  # no user: AGENT_RECURSION_LIMIT only
@@ -193,17 +198,17 @@ async def test_a_run_that_takes_its_user_s_steps_for_one_run_stops_with_step_bud
 async def test_a_user_whose_runs_took_the_day_s_steps_is_refused_and_nothing_is_stored(lab, open_service):
     message = f"Fetch {lab.page('index.html')}"
     async with open_service(SOPHOS_LAB_USER_MAX_STEPS_PER_DAY="4") as agent:
-        ada, bea = add(agent.store, "ada"), add(agent.store, "bea")
+        ada, bea = await added(agent.store, "ada"), await added(agent.store, "bea")
         first, first_final = await chat_as(agent, ada, message)       # 3 steps: 1 left today
         second, second_final = await chat_as(agent, ada, message)     # given the 1 step left
-        before = (agent.store.list_conversations(), len(agent.store.list_runs()))
+        before = ((await agent.store.list_conversations()), len((await agent.store.list_runs())))
         with pytest.raises(SophosError) as refused:
             await chat_as(agent, ada, message)
         with pytest.raises(SophosError) as refused_resume:
             await resume_as(agent, ada, second.conversation)
-        after = (agent.store.list_conversations(), len(agent.store.list_runs()))
+        after = ((await agent.store.list_conversations()), len((await agent.store.list_runs())))
         _, beas = await chat_as(agent, bea, message)                   # bea's day is her own
-        steps = [r.steps for r in agent.list_runs(first.conversation) + agent.list_runs(second.conversation)]
+        steps = [r.steps for r in (await agent.list_runs(first.conversation)) + (await agent.list_runs(second.conversation))]
 
     assert (first_final.event, first_final.data["status"]) == ("end", "completed")
     assert (second_final.event, second_final.data["code"]) == ("chat-error", STEP_BUDGET_SPENT)
@@ -232,7 +237,7 @@ def memory_servers_of(path) -> list[psutil.Process]:
 async def test_a_user_s_memory_server_stops_once_idle_and_a_next_run_starts_it_again(lab, open_service):
     remember = "Remember this: the Sophos lab codename is BLUE-HERON."
     async with open_service(SOPHOS_LAB_USER_TOOLS_IDLE_SECONDS="0.5") as agent:
-        ada = add(agent.store, "ada")
+        ada = await added(agent.store, "ada")
         path = user_memory_path(agent.settings, ada.id)
         _, first = await chat_as(agent, ada, remember)
         servers = memory_servers_of(path)

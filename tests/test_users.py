@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from sophos_lab.lab.children import child_environment
 from sophos_lab.runtime import users
-from sophos_lab.runtime.service import open_store
-from sophos_lab.runtime.store import utc_now
+from conftest import open_store
+from sophos_lab.runtime.storage.models import utc_now
 from sophos_lab.runtime.tools import user_memory_path
 
 INSTRUCTOR = "the-instructor-s-long-random-secret"
@@ -40,7 +40,7 @@ class Classroom:
         self.tokens = {name: lab.add_user(name, **database) for name in ("alice", "bob", "carol")}
         store = open_store(lab.settings(**database))
         try:
-            users.revoke_user(store, "carol", utc_now())
+            store.call(users.revoke_user, "carol", utc_now())
         finally:
             store.close()
         self.tokens["nobody"] = "a-token-nobody-was-given"
@@ -53,7 +53,7 @@ class Classroom:
     def user_id(self, name: str) -> str:
         store = open_store(self.lab.settings(**self.database))
         try:
-            return users.find_user(store, name).id
+            return store.call(users.find_user, name).id
         finally:
             store.close()
 
@@ -284,7 +284,7 @@ def test_a_taken_or_malformed_user_name_is_refused_with_nothing_changed(lab, tmp
         lab.add_user("ada lovelace", DATABASE_PATH=str(tmp_path / "users.db"))
     store = open_store(lab.settings(DATABASE_PATH=str(tmp_path / "users.db")))
     try:
-        assert [user.name for user, _ in users.list_users(store)] == ["ada"]
+        assert [user.name for user, _ in store.call(users.list_users)] == ["ada"]
     finally:
         store.close()
 

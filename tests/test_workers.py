@@ -22,7 +22,7 @@ from sophos_lab.lab import postgres_server
 from sophos_lab.lab.children import child_environment, sse_events
 from sophos_lab.lab.harness import Lab
 from sophos_lab.runtime.errors import CANCELLED, CONFIG_ERROR, SESSION_IN_PROGRESS, SophosError
-from sophos_lab.runtime.postgres import PostgresStore
+from sophos_lab.runtime.storage import postgres_storage
 from sophos_lab.runtime.queue import EventFeed, RemoteRun
 
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
@@ -79,12 +79,12 @@ async def test_a_run_accepted_with_no_worker_stays_queued_visible_and_cancellabl
         assert (run.id, run.last_id) == (run.id, 1)  # `started`, committed with the row
         assert runs(lab, run.conversation) == [("queued", None)]
         assert rows(lab, "SELECT input IS NOT NULL, owner_id FROM runs") == [(True, None)]
-        assert [c.status for c in agent.list_conversations()] == ["queued"]
+        assert [c.status for c in (await agent.list_conversations())] == ["queued"]
 
         # A second process's recovery leaves it alone: nobody owns it, nothing died.
-        other = PostgresStore(lab.database_url)
-        assert other.recover() == 0
-        other.close()
+        other = postgres_storage(lab.database_url)
+        assert await other.recover() == 0
+        await other.aclose()
         with pytest.raises(SophosError) as busy:
             await agent.chat("Hello again!", run.conversation)
         assert busy.value.code == SESSION_IN_PROGRESS
@@ -109,7 +109,7 @@ class FinalEventDuringTheRead(EventFeed):
         events = await super().read(run_id, after)
         if not events and self.finish is not None:
             self.finish, finish = None, self.finish
-            finish()
+            await finish()
         return events
 
 

@@ -10,7 +10,5 @@ def cancel_then_crash(lab):
     crashing.wait_for("cancel-stop")  # the request is committed, and the child frozen right after it
     crashing.kill()                   # SIGKILL: before the run is stopped, before any outcome
     lab.model.release()
-    reopened = lab.service()          # a new process: its first look opens the database
-    status = next(conversation.status for conversation in reopened.list_conversations() if conversation.id == c)
-    reopened.store.close()
-    return status
+    looker = start_child()            # a new process: its first look opens the database
+    return next(conversation["status"] for conversation in looker.conversations() if conversation["id"] == c)

@@ -41,27 +41,27 @@ def service(world: contract.World) -> AgentService:
     return _service
 
 
-def kit_conversation(world: contract.World) -> str | None:
+async def kit_conversation(world: contract.World) -> str | None:
     """The kit's id of the world's one conversation (None before its first message)."""
-    listed = service(world).list_conversations()
+    listed = await service(world).list_conversations()
     return listed[0].id if listed else None
 
 
 async def run_turn(world: contract.World, conversation: str, message: str) -> None:
     svc = service(world)
-    run = await svc.chat(message, kit_conversation(world))
+    run = await svc.chat(message, await kit_conversation(world))
     final = await run.wait()
     if final.event != "end":
         raise RuntimeError(f"the run ended with {final.event}: {final.data}")
 
 
 async def recover(world: contract.World) -> None:
-    service(world).list_conversations()  # the first open of the database recovers what the dead left
+    await service(world).list_conversations()  # the first open of the database recovers what the dead left
 
 
 async def resume(world: contract.World, conversation: str) -> None:
     svc = service(world)
-    kit_id = kit_conversation(world)
+    kit_id = await kit_conversation(world)
     if kit_id is None or not (await svc.get_conversation(kit_id)).resumable:
         return
     try:
@@ -74,8 +74,8 @@ async def resume(world: contract.World, conversation: str) -> None:
 
 async def read(world: contract.World, conversation: str) -> dict[str, Any]:
     svc = service(world)
-    kit_id = kit_conversation(world)
+    kit_id = await kit_conversation(world)
     if kit_id is None:
         return {"messages": [], "runs": []}
     detail = await svc.get_conversation(kit_id)
-    return {"messages": detail.messages, "runs": [run.status for run in svc.list_runs(kit_id)]}
+    return {"messages": detail.messages, "runs": [run.status for run in await svc.list_runs(kit_id)]}

@@ -249,14 +249,13 @@ class Lab:
         """Add a user to this lab's database (or the one `env` names), as `sophos-lab user add
         NAME` does; its token, to send as `Authorization: Bearer <token>`."""
         from ..runtime import users
-        from ..runtime.service import open_store
-        from ..runtime.store import utc_now
+        from ..runtime.storage import open_storage
+        from ..runtime.storage.blocking import Blocking
+        from ..runtime.storage.models import utc_now
 
-        store = open_store(self.settings(**env))
-        try:
-            return users.add_user(store, name, utc_now())[1]
-        finally:
-            store.close()
+        settings = self.settings(**env)
+        with Blocking(lambda: open_storage(settings)) as store:
+            return store.call(users.add_user, name, utc_now())[1]
 
     def readiness(self, **overrides: str) -> Readiness:
         """The advisory readiness check (like the original's `readyz`) for these settings."""

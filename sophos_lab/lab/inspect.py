@@ -24,7 +24,8 @@ from ..runtime.export import checkpoint_record
 from ..runtime.messages import message_dtos, pending_dtos
 from ..runtime.progress import is_resumable, work_left
 from ..runtime.service import parse_conversation_id, thread_config
-from ..runtime.store import has_table, read_only, unapplied_input
+from ..runtime.storage.models import unapplied_input
+from ..runtime.storage.sqlite import has_table, read_only
 
 RUN_COLUMNS = [
     "id", "conversation_id", "status", "error_code", "error_message", "started_at", "finished_at",
@@ -164,7 +165,7 @@ def _placeholders(sql: str) -> str:
 def reading(database: str | Path) -> Iterator[_Reader | None]:
     """A `_Reader` on the database (None when there is no such file)."""
     if isinstance(database, str) and "://" in database:
-        from ..runtime.postgres import read_only as postgres_read_only
+        from ..runtime.storage.postgres import read_only as postgres_read_only
 
         with postgres_read_only(database) as conn:
             yield _Reader(conn, postgres=True)
@@ -377,7 +378,7 @@ def pending_writes(db_path: str | Path, conversation: str) -> pd.DataFrame:
 
 
 def _pending(runs: pd.DataFrame, latest: Any | None) -> list[dict[str, str]]:
-    """The latest run's messages if they never reached the thread (see `store.unapplied_input`)."""
+    """The latest run's messages if they never reached the thread (see `storage.models.unapplied_input`)."""
     if not len(runs):
         return []
     run = runs.iloc[-1]

@@ -148,7 +148,7 @@ class LabKernel(_Child):
             self._send_request({"cmd": cmd, **args})
             return
         if cmd == "conversations":
-            code = "_sophos.conversations();"
+            code = "await _sophos.conversations();"
         elif cmd == "chat":
             code = f"await _sophos.chat({args['message']!r}, {args['conversation']!r})"
         elif cmd == "approve":

@@ -195,12 +195,12 @@ class ChildRuntime:
         self.emit({"event": "cancel-answer", "data": {"conversation": conversation, "final": final}})
         return final
 
-    def conversations(self) -> list[dict[str, Any]] | None:
+    async def conversations(self) -> list[dict[str, Any]] | None:
         """Like the original's `GET /api/conversations`: the first call opens the database, so
         crash recovery runs here. Emits a `conversations` event with the list, or a `rejected`
         event (e.g. `STORAGE_FULL`: a full disk where not even reading is possible)."""
         try:
-            items = [dataclasses.asdict(c) for c in self.service.list_conversations()]
+            items = [dataclasses.asdict(c) for c in await self.service.list_conversations()]
         except SophosError as error:
             self.emit({"event": "rejected", "data": {**error.to_dict(), "cmd": "conversations"}})
             return None
@@ -256,8 +256,16 @@ class ChildRuntime:
         }})
 
     def _exit_idle(self) -> NoReturn:
+        """Exit now, from a signal handler with no loop to close the store on: its owner row
+        stays, and this process, gone, is seen so by its pid (`ownership`)."""
         self._announce_shutdown()
-        self.service.store.close()
+        self.emit({"event": "exited", "data": {"reason": "sigterm"}})
+        exit_now()
+
+    async def _exit_idle_closing(self) -> NoReturn:
+        """Exit now, on the loop: the store closed first (its owner row goes)."""
+        self._announce_shutdown()
+        await self.service.store.aclose()
         self.emit({"event": "exited", "data": {"reason": "sigterm"}})
         exit_now()
 
@@ -265,7 +273,8 @@ class ChildRuntime:
         """On the loop, after SIGTERM: exit at once with nothing followed; else drain (or,
         naive, close everything at once)."""
         if self._following == 0:
-            self._exit_idle()
+            asyncio.ensure_future(self._exit_idle_closing())
+            return
         self._announce_shutdown()
         naive = self.service.settings.naive_shutdown
         if naive:
@@ -336,7 +345,7 @@ async def serve_stdin(runtime: ChildRuntime) -> None:
         if name == "exit":
             break
         if name == "conversations":
-            runtime.conversations()
+            await runtime.conversations()
             continue
         if name == "chat":
             coro = runtime.chat(command.get("message"), command.get("conversation"))

@@ -19,10 +19,8 @@
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
@@ -80,24 +78,6 @@ def _task_node(task_path: str, task_id: str) -> str:
     return task_path.rsplit(",", 1)[-1].strip() if task_path else task_id
 
 
-_LOCKS: weakref.WeakValueDictionary[tuple[int, str], asyncio.Lock] = weakref.WeakValueDictionary()
-
-
-def shared_lock(path: str | Path) -> asyncio.Lock:
-    """One lock per database (a file's path, or a URL) and event loop, for every saver and app write on that loop.
-
-    A saver holds its lock from its INSERT to its commit and needs the loop in between; a
-    synchronous app write that waited on SQLite's lock meanwhile would block that very loop.
-    Sharing the lock keeps that true with several services on one loop.
-    """
-    where = path if isinstance(path, str) and "://" in path else str(Path(path).resolve())
-    key = (id(asyncio.get_running_loop()), where)
-    lock = _LOCKS.get(key)
-    if lock is None:
-        lock = _LOCKS[key] = asyncio.Lock()
-    return lock
-
-
 class Notifying:
     """What both backends' savers add to LangGraph's: each commit observed, then told to its
     thread's listener (see the module). Mixed in before the saver class it extends."""
@@ -105,12 +85,21 @@ class Notifying:
     def _notifying(self, lock: asyncio.Lock | None) -> None:
         if lock is not None:
             self.lock = lock
+            """The service's (`AgentService._write`): a write of a run's life (a cancel, an
+            outcome) and the saver's writes go one after the other in this process."""
         self.listeners: dict[str, Callable[[dict[str, Any]], None]] = {}
         """thread id → called with a checkpoint's metadata once it is committed."""
         self.on_write: WriteObserver | None = None
         """Called with each commit, before the thread's listener (see `DurableWrite`)."""
 
+    async def _turn(self) -> None:
+        """Wait for a write of the run's life under way (a cancel being recorded) before this
+        one starts: a run stopped meanwhile stops here, with this write not begun."""
+        async with self.lock:
+            pass
+
     async def aput(self, config, checkpoint, metadata, new_versions):
+        await self._turn()
         write = asyncio.ensure_future(super().aput(config, checkpoint, metadata, new_versions))
         try:
             saved = await asyncio.shield(write)
@@ -125,6 +114,7 @@ class Notifying:
         return saved
 
     async def aput_writes(self, config, writes, task_id, task_path=""):
+        await self._turn()
         write = asyncio.ensure_future(super().aput_writes(config, writes, task_id, task_path))
         observe = dict(node=_task_node(task_path, task_id), channels=tuple(channel for channel, _ in writes))
         try:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .messages import message_dto, message_dtos
-from .store import Conversation
+from .storage.models import Conversation
 
 
 def markdown_transcript(conversation: Conversation, messages: list[dict[str, Any]]) -> str:

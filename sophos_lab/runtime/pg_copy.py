@@ -63,30 +63,30 @@ def copy_to_postgres(path: str | Path, url: str) -> Copied:
     import psycopg
     from langgraph.checkpoint.postgres import PostgresSaver
     from langgraph.checkpoint.sqlite import SqliteSaver
+    from psycopg.rows import dict_row
 
-    from .postgres import PostgresStore, _connect
-    from .store import Store, read_only
+    from .storage import postgres_storage, sqlite_storage
+    from .storage.blocking import Blocking
+    from .storage.postgres import SESSION_OPTIONS
+    from .storage.sqlite import read_only
 
     path = Path(path)
     if not path.exists():
         raise SophosError(NOT_FOUND, f"No database at {path}")
-    source = Store(path)
-    try:
-        source.conn  # noqa: B018 - the first open relabels gone processes' runs, as any open would
-        relabelled = source.recovered_runs + source.recover()
-    finally:
-        source.close()
+    with Blocking(lambda: sqlite_storage(path)) as source:
+        relabelled = source.recover()  # the first open relabels gone processes' runs, as any open would
 
-    with read_only(path) as reader, _connect(url) as conn:
+    # A command of its own, on no event loop: plain connections, read in one snapshot of the file.
+    with read_only(path) as reader, psycopg.connect(url, autocommit=True, row_factory=dict_row,
+                                                    prepare_threshold=None, options=SESSION_OPTIONS) as conn:
         reader.execute("BEGIN")  # one snapshot of the file for everything read below
         live = reader.execute("SELECT count(*) FROM runs WHERE status = 'running'").fetchone()[0]
         if live:
             raise SophosError(SESSION_IN_PROGRESS, (
                 f"{live} run(s) in progress in a live process on {path}; stop it (or let the runs finish) "
                 "and copy then. Nothing was copied."))
-        target = PostgresStore(url)
-        target.conn  # noqa: B018 - migrated, as a first open does
-        target.close()
+        with Blocking(lambda: postgres_storage(url)) as target:
+            target.open()  # migrated, as a first open does
         if conn.execute("SELECT count(*) AS n FROM conversations").fetchone()["n"]:
             raise SophosError(CONFIG_ERROR, (
                 "The PostgreSQL database already holds conversations: a copy is not a merge. Point "

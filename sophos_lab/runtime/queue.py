@@ -22,7 +22,7 @@ whose next event was lost is told `REPLAY_GONE` instead of skipping it. It is bo
 events, and a conversation keeps only its latest run's.
 
 A worker that died, or whose lease ran out, cannot write its run's final event: the process that
-relabels the run writes it (`close_events`), in the relabel's transaction, and an owner that
+relabels the run writes it (`storage.postgres_queue.close_events`), in the relabel's transaction, and an owner that
 wakes up after that appends nothing more (`append_events` refuses a run that has its final
 event, or that is not the writer's).
 """
@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,15 +43,10 @@ import psycopg
 from . import errors
 from .errors import SophosError
 from .events import TERMINAL_EVENTS, Event
+from .storage.postgres import RECONNECT_SECONDS, SESSION_OPTIONS
+from .storage.postgres_queue import EVENTS_CHANNEL, event_row
 
 log = logging.getLogger(__name__)
-
-QUEUE_CHANNEL = "sophos_queue"
-"""Notified with a run id when a run is queued: a waiting worker wakes and claims."""
-EVENTS_CHANNEL = "sophos_events"
-"""Notified with `"<run id> <last event id>"` when a run's events were appended."""
-CANCEL_CHANNEL = "sophos_cancel"
-"""Notified with a run id when a cancel of a claimed run was recorded: its worker stops it."""
 
 _TERMINAL = tuple(TERMINAL_EVENTS)
 READ_CONNECTIONS = 10
@@ -64,130 +59,9 @@ STOPPED = "worker stopped"
 itself."""
 
 
-def event_row(run_id: str, conversation_id: str, event: Event) -> tuple[Any, ...]:
-    # ASCII JSON: text PostgreSQL can hold whatever the data (a NUL, a lone surrogate).
-    return (run_id, event.id, conversation_id, event.event, json.dumps(event.data, ensure_ascii=True))
-
-
 def _decode(row: dict) -> Event:
     return Event(row["id"], row["event"], json.loads(row["data"]))
 
-
-# in the transaction that queues, relabels or cancels a run (a sync connection)
-
-def queue_started(conn: psycopg.Connection, run_id: str, conversation_id: str, resume: bool) -> None:
-    """With the queued row: the run's `started` event (id 1), the conversation's older runs'
-    events gone, and the workers woken (a notification is sent when the transaction commits)."""
-    conn.execute("DELETE FROM run_events WHERE conversation_id = %s", (conversation_id,))
-    started = Event(1, "started", {"conversation": conversation_id, "run": run_id, "resume": resume})
-    conn.execute("INSERT INTO run_events (run_id, id, conversation_id, event, data) VALUES (%s, %s, %s, %s, %s)",
-                 event_row(run_id, conversation_id, started))
-    conn.execute("UPDATE runs SET last_event_id = 1 WHERE id = %s", (run_id,))
-    conn.execute("SELECT pg_notify(%s, %s), pg_notify(%s, %s)",
-                 (QUEUE_CHANNEL, run_id, EVENTS_CHANNEL, f"{run_id} 1"))
-
-
-def claim(conn: psycopg.Connection, owner_id: str, now: str, max_running: int = 2) -> dict | None:
-    """The next queued run in fair order, now `running` and this owner's; None when none may be
-    claimed. Rows another worker is claiming are skipped, not waited for.
-
-    Fair across users: a queued run's turn is its user's runs running plus those queued ahead of
-    it, then queue order, so users take turns (one user's 50 queued runs put another user's
-    first one behind one of theirs, not all 50); a user with `max_running` runs running waits.
-    Conversations of no user (the single-user mode) are one user with no cap.
-    """
-    return conn.execute(_CLAIM, (max_running, owner_id, now)).fetchone()
-
-
-_CLAIM = """
-WITH active AS (
-    SELECT r.id, r.seq, r.status, c.user_id,
-           count(*) FILTER (WHERE r.status = 'running') OVER (PARTITION BY c.user_id) AS running,
-           row_number() OVER (PARTITION BY c.user_id, r.status ORDER BY r.seq) AS place
-    FROM runs r JOIN conversations c ON c.id = r.conversation_id
-    WHERE r.status IN ('queued', 'running')
-), next AS (
-    SELECT runs.id FROM runs JOIN active ON active.id = runs.id
-    WHERE active.status = 'queued' AND runs.status = 'queued'
-      AND (active.user_id IS NULL OR active.running < %s)
-    ORDER BY active.running + active.place, active.seq
-    LIMIT 1 FOR UPDATE OF runs SKIP LOCKED
-)
-UPDATE runs SET status = 'running', owner_id = %s, claimed_at = %s FROM next WHERE runs.id = next.id
-RETURNING runs.*
-"""
-
-
-def close_events(conn: psycopg.Connection, runs: Iterable[dict]) -> None:
-    """For runs that were just given their outcome by another process than their owner (a
-    relabel, a cancel of a queued run): the final event their followers wait for, after the
-    events their owner got in, unless it wrote one. `runs` are rows with `id`,
-    `conversation_id`, `status`, `error_code`, `error_message`."""
-    for run in runs:
-        data: dict[str, Any] = {"conversation": run["conversation_id"], "run": run["id"]}
-        if run["error_code"]:
-            name, data = "chat-error", {"code": run["error_code"], "message": run["error_message"], **data}
-        else:
-            name, data = "end", {**data, "status": run["status"]}
-            gate = conn.execute("SELECT id, calls, decisions FROM gates WHERE run_id = %s ORDER BY seq DESC LIMIT 1",
-                                (run["id"],)).fetchone() if run["status"] == "waiting" else None
-            if gate is not None and gate["decisions"] is None:
-                data["approval"] = {"gate": gate["id"], "calls": json.loads(gate["calls"])}
-        last = conn.execute(
-            "SELECT max(id) AS kept, bool_or(event = ANY(%s)) AS ended,"
-            " (SELECT last_event_id FROM runs WHERE id = %s) AS given FROM run_events WHERE run_id = %s",
-            (list(_TERMINAL), run["id"], run["id"])).fetchone()
-        given = max(last["kept"] or 0, last["given"] or 0)
-        if not given or last["ended"]:
-            continue  # not a worker's run (it gave no event), or its final event is there
-        final = Event(given + 1, name, data)
-        conn.execute("INSERT INTO run_events (run_id, id, conversation_id, event, data) VALUES (%s, %s, %s, %s, %s)",
-                     event_row(run["id"], run["conversation_id"], final))
-        conn.execute("UPDATE runs SET last_event_id = %s WHERE id = %s", (final.id, run["id"]))
-        conn.execute("SELECT pg_notify(%s, %s)", (EVENTS_CHANNEL, f"{run['id']} {final.id}"))
-
-
-def cancel_queued(conn: psycopg.Connection, run_id: str, now: str) -> bool:
-    """A queued run, cancelled before any worker took it (its final event written); False if
-    it is not queued any more."""
-    row = conn.execute(
-        "UPDATE runs SET status = 'cancelled', error_code = %s, error_message = %s, cancel_requested_at = %s,"
-        " finished_at = %s WHERE id = %s AND status = 'queued' RETURNING *",
-        (errors.CANCELLED, errors.CANCELLED_MESSAGE, now, now, run_id)).fetchone()
-    if row is not None:
-        close_events(conn, [row])
-    return row is not None
-
-
-def request_cancel(conn: psycopg.Connection, run_id: str, now: str) -> bool:
-    """A claimed run asked to stop, whoever owns it: recorded first, then its worker told."""
-    asked = conn.execute(
-        "UPDATE runs SET cancel_requested_at = %s WHERE id = %s AND status = 'running'"
-        " AND cancel_requested_at IS NULL", (now, run_id)).rowcount
-    if asked:
-        conn.execute("SELECT pg_notify(%s, %s)", (CANCEL_CHANNEL, run_id))
-    return bool(asked)
-
-
-def event_span(conn: psycopg.Connection, run_id: str) -> tuple[int, int]:
-    """`(dropped, last_id)` of the run's events: `last_id` is the latest it gave (0: none), and
-    ids `dropped + 1` to `last_id` are kept (none when a crash of the server emptied the table)."""
-    row = conn.execute(
-        "SELECT min(id) AS first, max(id) AS last, (SELECT last_event_id FROM runs WHERE id = %s) AS given"
-        " FROM run_events WHERE run_id = %s", (run_id, run_id)).fetchone()
-    given = max(row["last"] or 0, row["given"] or 0)
-    if row["last"] is None:
-        return given, given
-    return row["first"] - 1, given
-
-
-def final_event_kept(conn: psycopg.Connection, run_id: str) -> bool:
-    """Whether the run's final event (`end` or `chat-error`) is among its kept events."""
-    return conn.execute("SELECT EXISTS (SELECT 1 FROM run_events WHERE run_id = %s AND event = ANY(%s)) AS kept",
-                        (run_id, list(_TERMINAL))).fetchone()["kept"]
-
-
-# a worker's side (async, on its saver's pool)
 
 async def append_events(conn: psycopg.AsyncConnection, owner_id: str, run_id: str, conversation_id: str,
                         events: list[Event], keep: int | None) -> bool:
@@ -213,7 +87,8 @@ async def append_events(conn: psycopg.AsyncConnection, owner_id: str, run_id: st
             "INSERT INTO run_events (run_id, id, conversation_id, event, data)"
             " SELECT %s, id, %s, event, data FROM unnest(%s::int[], %s::text[], %s::text[]) AS t(id, event, data)"
             " ON CONFLICT DO NOTHING",
-            (run_id, conversation_id, [row[1] for row in rows], [row[3] for row in rows], [row[4] for row in rows]))
+            (run_id, conversation_id, [row["id"] for row in rows], [row["event"] for row in rows],
+             [row["data"] for row in rows]))
         await conn.execute("UPDATE runs SET last_event_id = GREATEST(last_event_id, %s) WHERE id = %s",
                            (events[-1].id, run_id))
         if keep is not None:
@@ -226,11 +101,8 @@ class EventWriter:
     """A worker's runs' events, written in the order they were published: one task takes what
     has gathered and writes each run's share in a transaction of its own."""
 
-    def __init__(self, pool: Any, owner_id: str, keep: int | None, lock: asyncio.Lock, stop_after: int = 0) -> None:
+    def __init__(self, pool: Any, owner_id: str, keep: int | None, stop_after: int = 0) -> None:
         self._pool, self._owner_id, self._keep = pool, owner_id, keep
-        self._lock = lock
-        """The saver's: held from the row lock to the commit, so that no synchronous write of
-        the app tables (which blocks this loop) can wait on that row lock meanwhile."""
         self._queue: asyncio.Queue[tuple[str, str, Event]] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._stop_after = stop_after
@@ -295,7 +167,7 @@ class EventWriter:
         wait = 0.1
         for attempt in range(1, WRITE_ATTEMPTS + 1):
             try:
-                async with self._pool.connection() as conn, self._lock:
+                async with self._pool.connection() as conn:
                     if not await append_events(conn, self._owner_id, run_id, conversation_id, events, self._keep):
                         log.warning("run %s is no longer this worker's: %d event(s) not written", run_id, len(events))
                     return
@@ -328,8 +200,6 @@ class EventFeed:
         if self._task is None or self._task.done():
             from psycopg.rows import dict_row
             from psycopg_pool import AsyncConnectionPool
-
-            from .postgres import RECONNECT_SECONDS, SESSION_OPTIONS
 
             self._ready = asyncio.Event()
             self._pool = AsyncConnectionPool(self.url, min_size=1, max_size=READ_CONNECTIONS, open=False,
@@ -368,8 +238,6 @@ class EventFeed:
             await self._pool.close()
 
     async def _listen(self) -> None:
-        from .postgres import SESSION_OPTIONS
-
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(

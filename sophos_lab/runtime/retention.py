@@ -15,28 +15,30 @@
   and after.
 
 Nothing here touches the memory server's file (`MEMORY_FILE_PATH`) or any other MCP server's
-data: only this one SQLite file.
+data: only the database's tables.
 
 Ownership holds as everywhere else: a conversation whose run a live process is running is
 refused (`SESSION_IN_PROGRESS`). A run whose owner is gone (a crash) is no obstacle: a delete
 takes it with the rest, a prune relabels it `interrupted` inside the prune's transaction, as recovery
 does, and the conversation resumes afterwards. A process
 that lost its run can write nothing back afterwards: its saver's fence refuses every write for
-a thread on which it holds no `running` run. A dry run opens the file read-only and writes
-nothing, not even that recovery.
+a thread on which it holds no `running` run. A dry run writes nothing, not even that recovery:
+on SQLite it opens the file read-only (a refusal too: it writes no owner row either), on
+PostgreSQL it does it all in a transaction that is rolled back, counted exactly.
+
+The rules are here, once: which runs refuse, which checkpoints go, what the oldest kept one
+must hold. What a backend stores differently (how a row's bytes are counted, the checkpoint
+tables, `VACUUM`) is its own: `storage.sqlite_retention`, `storage.postgres_retention`.
 """
 
 from __future__ import annotations
 
-import json
-import sqlite3
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import BAD_REQUEST, NOT_FOUND, SESSION_IN_PROGRESS, SophosError
 from .ownership import Owner
-from .store import full_disk_refused, has_table, read_only, relabel_interrupted, stale_runs, utc_now
+from .storage.rules import stale_runs
 
 
 @dataclass(frozen=True)
@@ -77,22 +79,6 @@ class Removal:
 
 
 @dataclass(frozen=True)
-class PrunePlan:
-    """A prune worked out under the write lock (or read-only, for a dry run), ready to apply."""
-
-    removal: Removal
-    kept: tuple[str, ...] = ()
-    """The checkpoint ids that stay, newest first."""
-    new_root: str | None = None
-    """The oldest kept checkpoint: it becomes the thread's root."""
-    root_type: str | None = None
-    root_checkpoint: bytes | None = None
-    root_metadata: bytes | None = None
-    steps: tuple[int | None, int | None] = (None, None)
-    """The first and last step of the checkpoints that go."""
-
-
-@dataclass(frozen=True)
 class Vacuum:
     """The file's size (with its WAL) before and after a `VACUUM`; on PostgreSQL, the kit's and
     LangGraph's tables (with their indexes and TOAST) before and after a `VACUUM FULL`."""
@@ -112,107 +98,108 @@ class Vacuum:
                 f"({self.bytes_before - self.bytes_after:,} given back{free})")
 
 
-# --- reading -----------------------------------------------------------------------------
-
-
-def _bytes_of_row(conn: sqlite3.Connection, table: str) -> str:
-    """An SQL expression for the bytes of one row of `table`: the sum of its values' lengths."""
-    columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
-    return " + ".join(f'ifnull(length(CAST("{column}" AS BLOB)), 0)' for column in columns) or "0"
-
-
-def _rows_and_bytes(conn: sqlite3.Connection, table: str, where: str, params: tuple) -> tuple[int, int]:
-    if not has_table(conn, table):
-        return 0, 0
-    count, size = conn.execute(
-        f"SELECT count(*), ifnull(sum({_bytes_of_row(conn, table)}), 0) FROM {table} WHERE {where}", params
-    ).fetchone()
-    return count, size
-
-
-def conversation_ids(path: str | Path) -> list[str]:
-    """Every conversation id in the file, oldest first (read-only)."""
-    with read_only(path) as conn:
-        if conn is None or not has_table(conn, "conversations"):
-            return []
-        return [row[0] for row in conn.execute("SELECT id FROM conversations ORDER BY created_at, rowid")]
-
-
-def require_conversation(conn: sqlite3.Connection | None, conversation_id: str) -> None:
-    """Refuse (`NOT_FOUND`) an id that is not a conversation of the file."""
-    if conn is None or not has_table(conn, "conversations") or conn.execute(
-        "SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)
-    ).fetchone() is None:
+async def idle_or_refused(tx: Any, conversation_id: str, me: Owner | None, action: str) -> list[str]:
+    """Inside the transaction (or the read-only look) of a delete or a prune: `NOT_FOUND` for a
+    conversation that is not there, `SESSION_IN_PROGRESS` while a live process runs it (or a run
+    of it is queued); else its `running` runs whose owner is gone, to go with it (or be
+    relabelled first). On PostgreSQL its row and its runs' rows are locked to the commit: a
+    saver's write under way (the fence holds its run's row) ends first, and a run that starts
+    later waits. With `me=None` (the original's single-owner rule) every `running` run is live."""
+    if tx is None or not await tx.has_table("conversations") or await tx.value(
+            "SELECT 1 FROM conversations WHERE id = :id{for_update}", {"id": conversation_id}) is None:
         raise SophosError(NOT_FOUND, f"Conversation Not Found: {conversation_id}")
-
-
-def _stale(conn: sqlite3.Connection, me: Owner, conversation_id: str | None = None) -> set[str]:
-    """`store.stale_runs` on any connection (it reads rows by name)."""
-    factory, conn.row_factory = conn.row_factory, sqlite3.Row
-    try:
-        return set(stale_runs(conn, me, conversation_id))
-    finally:
-        conn.row_factory = factory
-
-
-def recoverable_runs(conn: sqlite3.Connection, conversation_id: str, me: Owner | None, action: str) -> list[str]:
-    """The conversation's `running` runs whose owner is gone (to be relabelled `interrupted`).
-
-    Refuses (`SESSION_IN_PROGRESS`) when a live process runs the conversation. With `me=None`
-    (the original's single-owner rule, where `running` after the first open means running),
-    every `running` run counts as live.
-    """
-    running = {row[0] for row in conn.execute(
-        "SELECT id FROM runs WHERE conversation_id = ? AND status = 'running'", (conversation_id,))}
-    if not running:
-        return []
-    if me is None:
+    statuses = {row[0]: row[1] for row in await tx.tuples(
+        "SELECT id, status FROM runs WHERE conversation_id = :id{for_update}", {"id": conversation_id})}
+    running = {run_id for run_id, status in statuses.items() if status == "running"}
+    if me is None or not running:
         gone: set[str] = set()
-    elif has_table(conn, "owners"):
-        gone = _stale(conn, me, conversation_id)
-    else:
+    elif not await tx.has_table("owners"):
         gone = running  # a version-1 file: no run has an owner, none can still be running
-    if running - gone:
+    else:
+        gone = set(await stale_runs(tx, me, conversation_id))
+    if running - gone or "queued" in statuses.values():
         raise SophosError(SESSION_IN_PROGRESS, (
             f"Conversation {conversation_id} has a run in progress in a live process; "
             f"{action} it once the run has finished. Nothing was changed."))
-    return sorted(gone)
+    return sorted(running & gone)
 
 
-# --- delete ------------------------------------------------------------------------------
+async def live_runs(tx: Any, me: Owner | None) -> list[str]:
+    """The runs of live owners, queued or running, in any conversation."""
+    running = [row[0] for row in await tx.tuples("SELECT id FROM runs WHERE status IN ('running', 'queued')")]
+    if me is None or not running:
+        return running
+    gone = set(await stale_runs(tx, me))
+    return [run for run in running if run not in gone]
 
 
-def plan_delete(conn: sqlite3.Connection | None, conversation_id: str) -> Removal:
-    """What deleting the conversation takes out: its rows in every table, counted."""
-    require_conversation(conn, conversation_id)
-    runs, run_bytes = _rows_and_bytes(conn, "runs", "conversation_id = ?", (conversation_id,))
-    checkpoints, checkpoint_bytes = _rows_and_bytes(conn, "checkpoints", "thread_id = ?", (conversation_id,))
-    writes, write_bytes = _rows_and_bytes(conn, "writes", "thread_id = ?", (conversation_id,))
-    _, prune_bytes = _rows_and_bytes(conn, "prunes", "conversation_id = ?", (conversation_id,))
-    _, key_bytes = _rows_and_bytes(conn, "idempotency_keys", "conversation_id = ?", (conversation_id,))
-    _, gate_bytes = _rows_and_bytes(conn, "gates", "conversation_id = ?", (conversation_id,))
-    _, own_bytes = _rows_and_bytes(conn, "conversations", "id = ?", (conversation_id,))
-    return Removal(
-        "delete", conversation_id, runs=runs, checkpoints=checkpoints, writes=writes,
-        bytes=run_bytes + checkpoint_bytes + write_bytes + prune_bytes + key_bytes + gate_bytes + own_bytes,
-    )
+async def delete_conversation(storage: Any, conversation_id: str, me: Owner | None, dry_run: bool = False) -> Removal:
+    """The conversation and everything keyed to it, in one transaction; what went, counted,
+    with the bytes of its rows. A run of a live process refuses it, one of a gone owner goes
+    with the rest; a dry run counts and changes nothing."""
+    part = storage.db.retention
+    if part.reads_first:
+        async with part.read_only() as tx:
+            await idle_or_refused(tx, conversation_id, me, "delete")
+            if dry_run:
+                return replace(await part.count(tx, conversation_id), dry_run=True)
+    async with storage.transaction(rollback=dry_run) as tx:
+        await idle_or_refused(tx, conversation_id, me, "delete")  # a gone owner's run goes too
+        removal = await part.delete(tx, conversation_id)
+    return replace(removal, dry_run=dry_run)
 
 
-def delete_conversation(conn: sqlite3.Connection, conversation_id: str, me: Owner | None) -> Removal:
-    """Delete the conversation and everything keyed to it, inside the caller's write transaction."""
-    require_conversation(conn, conversation_id)
-    recoverable_runs(conn, conversation_id, me, "delete")  # a dead owner's run goes with the rest
-    removal = plan_delete(conn, conversation_id)
-    for table, column in (("writes", "thread_id"), ("checkpoints", "thread_id"), ("prunes", "conversation_id"),
-                          ("idempotency_keys", "conversation_id"), ("gates", "conversation_id"),
-                          ("runs", "conversation_id"),
-                          ("conversations", "id")):
-        if has_table(conn, table):
-            conn.execute(f"DELETE FROM {table} WHERE {column} = ?", (conversation_id,))
-    return removal
+async def prune_conversation(storage: Any, conversation_id: str, keep: int | None, me: Owner | None,
+                             dry_run: bool = False) -> Removal:
+    """The thread's older checkpoints with their writes, in one transaction; the oldest kept one
+    becomes the root and is given the whole message list (`delta_snapshots`), so the thread
+    reads and resumes exactly as before. A gone owner's run is relabelled first."""
+    keep = parse_keep(keep)
+    part = storage.db.retention
+    if part.reads_first:
+        async with part.read_only() as tx:
+            await idle_or_refused(tx, conversation_id, me, "prune")
+            if dry_run:
+                return replace(await _prune(part, tx, conversation_id, keep, apply=False), dry_run=True)
+    async with storage.transaction(rollback=dry_run) as tx:
+        await storage.relabel_in(tx, await idle_or_refused(tx, conversation_id, me, "prune"))
+        removal = await _prune(part, tx, conversation_id, keep, apply=True)
+    return replace(removal, dry_run=dry_run)
 
 
-# --- prune -------------------------------------------------------------------------------
+async def _prune(part: Any, tx: Any, conversation_id: str, keep: int | None, apply: bool) -> Removal:
+    """Which of the thread's checkpoints go (`kept_and_pruned`); the backend counts them and,
+    with `apply`, makes the oldest kept one the root and deletes the rest."""
+    rows = await part.checkpoints(tx, conversation_id)
+    if not rows:
+        return Removal("prune", conversation_id)
+    kept, pruned, steps = kept_and_pruned(rows, keep)
+    if not pruned:
+        return Removal("prune", conversation_id, kept_checkpoints=len(kept))
+    return await part.prune(tx, conversation_id, rows, kept, pruned, steps, apply)
+
+
+async def vacuum(storage: Any, me: Owner | None) -> Vacuum:
+    """Give the space of deleted rows back (see the backends); refused while a live process
+    runs (or has queued) a run anywhere: `VACUUM` holds the tables while it runs."""
+    async with storage.reading() as tx:
+        if live := await live_runs(tx, me):
+            raise SophosError(SESSION_IN_PROGRESS, (
+                f"{len(live)} run(s) queued or in progress in a live process; VACUUM holds the tables "
+                "until it is done, so run it when they have finished. Nothing was changed."))
+    return await storage.db.retention.vacuum()
+
+
+async def conversation_ids(storage: Any) -> list[str]:
+    """Every conversation id, oldest first (on SQLite read-only: a file that is not there has none)."""
+    part = storage.db.retention
+    if part.reads_first:
+        async with part.read_only() as tx:
+            if tx is None or not await tx.has_table("conversations"):
+                return []
+            return [row[0] for row in await tx.tuples("SELECT id FROM conversations ORDER BY created_at, rowid")]
+    async with storage.reading() as tx:
+        return [row[0] for row in await tx.tuples("SELECT id FROM conversations ORDER BY created_at, {seq}")]
 
 
 def parse_keep(keep: object) -> int | None:
@@ -255,7 +242,7 @@ def without_snapshot_counters(metadata: dict, channels: list[str]) -> dict:
     return meta
 
 
-def delta_snapshots(saver: Any, thread_id: str, checkpoint_id: str, checkpoint: dict) -> dict[str, Any]:
+async def delta_snapshots(saver: Any, thread_id: str, checkpoint_id: str, checkpoint: dict) -> dict[str, Any]:
     """For a checkpoint that is to stand without its ancestors: each delta channel its step did
     not store, with its value there as a `_DeltaSnapshot` (what LangGraph writes every
     `snapshot_frequency` updates). Read through `saver`, LangGraph's own (SQLite or PostgreSQL)."""
@@ -275,160 +262,10 @@ def delta_snapshots(saver: Any, thread_id: str, checkpoint_id: str, checkpoint: 
     config = {"configurable": {"thread_id": thread_id, "checkpoint_ns": "", "checkpoint_id": checkpoint_id}}
     # What LangGraph does to read the channel at this checkpoint: the nearest stored value, then
     # the writes of the ancestors after it, in order (not the checkpoint's own pending writes).
-    histories = saver.get_delta_channel_history(config=config, channels=missing)
+    histories = await saver.aget_delta_channel_history(config=config, channels=missing)
     snapshots = {}
     for key in missing:
         channel = specs[key].from_checkpoint(histories[key].get("seed"))
         channel.replay_writes(histories[key]["writes"])
         snapshots[key] = _DeltaSnapshot(channel.get())
     return snapshots
-
-
-def plan_prune(reader: sqlite3.Connection | None, conversation_id: str, keep: int | None = None) -> PrunePlan:
-    """Which checkpoints go, and what the oldest kept one must hold to keep the state exact.
-
-    `reader` is a plain connection (rows as tuples), read-only: LangGraph's own sync saver reads
-    the thread through it. Opened after another connection took the write lock, it reads the
-    thread as that transaction finds it: nobody else can commit in between.
-    """
-    require_conversation(reader, conversation_id)
-    keep = parse_keep(keep)
-    if not has_table(reader, "checkpoints"):
-        return PrunePlan(Removal("prune", conversation_id))
-    rows = {
-        checkpoint_id: (parent, json.loads(metadata) if metadata else {})
-        for checkpoint_id, parent, metadata in reader.execute(
-            "SELECT checkpoint_id, parent_checkpoint_id, metadata FROM checkpoints"
-            " WHERE thread_id = ? AND checkpoint_ns = ''", (conversation_id,))
-    }
-    if not rows:
-        return PrunePlan(Removal("prune", conversation_id))
-    kept, pruned, steps = kept_and_pruned(rows, keep)
-    if not pruned:
-        return PrunePlan(Removal("prune", conversation_id, kept_checkpoints=len(kept)), kept=kept)
-
-    not_kept = "thread_id = ? AND checkpoint_ns = '' AND checkpoint_id NOT IN (SELECT value FROM json_each(?))"
-    params = (conversation_id, json.dumps(kept))
-    checkpoints, checkpoint_bytes = _rows_and_bytes(reader, "checkpoints", not_kept, params)
-    writes, write_bytes = _rows_and_bytes(reader, "writes", not_kept, params)
-    new_root = kept[-1]
-    root_type, root_checkpoint, root_metadata, grown = _as_root(reader, conversation_id, new_root)
-    removal = Removal(
-        "prune", conversation_id, checkpoints=checkpoints, writes=writes,
-        bytes=checkpoint_bytes + write_bytes, kept_checkpoints=len(kept), snapshot_bytes=grown,
-    )
-    return PrunePlan(
-        removal, kept=kept, new_root=new_root, root_type=root_type, root_checkpoint=root_checkpoint,
-        root_metadata=root_metadata, steps=steps,
-    )
-
-
-def _as_root(reader: sqlite3.Connection, thread_id: str, checkpoint_id: str) -> tuple[str, bytes, bytes, int]:
-    """The checkpoint `checkpoint_id` rewritten to stand without its ancestors (`delta_snapshots`):
-    its type, blob and metadata, and how many bytes it grows by."""
-    from langgraph.checkpoint.sqlite import SqliteSaver
-
-    saver = SqliteSaver(reader)
-    saver.is_setup = True  # the tables exist; setup() would write
-    type_, blob, metadata = reader.execute(
-        "SELECT type, checkpoint, metadata FROM checkpoints"
-        " WHERE thread_id = ? AND checkpoint_ns = '' AND checkpoint_id = ?", (thread_id, checkpoint_id),
-    ).fetchone()
-    checkpoint = saver.serde.loads_typed((type_, blob))
-    snapshots = delta_snapshots(saver, thread_id, checkpoint_id, checkpoint)
-    if not snapshots:
-        return type_, blob, metadata, 0
-    checkpoint["channel_values"].update(snapshots)
-    new_type, new_blob = saver.serde.dumps_typed(checkpoint)
-    meta = without_snapshot_counters(json.loads(metadata) if metadata else {}, list(snapshots))
-    new_metadata = json.dumps(meta, ensure_ascii=False).encode("utf-8")
-    return new_type, new_blob, new_metadata, len(new_blob) + len(new_metadata) - len(blob) - len(metadata or b"")
-
-
-def apply_prune(conn: sqlite3.Connection, plan: PrunePlan) -> Removal:
-    """Apply a plan made under this transaction's write lock: the new root, the deletes, the record."""
-    removal = plan.removal
-    if not removal.checkpoints:
-        return removal
-    thread = removal.conversation_id
-    conn.execute(
-        "UPDATE checkpoints SET parent_checkpoint_id = NULL, type = ?, checkpoint = ?, metadata = ?"
-        " WHERE thread_id = ? AND checkpoint_ns = '' AND checkpoint_id = ?",
-        (plan.root_type, plan.root_checkpoint, plan.root_metadata, thread, plan.new_root),
-    )
-    not_kept = "thread_id = ? AND checkpoint_ns = '' AND checkpoint_id NOT IN (SELECT value FROM json_each(?))"
-    params = (thread, json.dumps(plan.kept))
-    writes = conn.execute(f"DELETE FROM writes WHERE {not_kept}", params).rowcount
-    checkpoints = conn.execute(f"DELETE FROM checkpoints WHERE {not_kept}", params).rowcount
-    if (checkpoints, writes) != (removal.checkpoints, removal.writes):
-        # The plan was made under this very lock, so this cannot happen; if it does, change nothing.
-        raise RuntimeError(f"prune of {thread} met {checkpoints} checkpoints and {writes} writes, "
-                           f"planned {removal.checkpoints} and {removal.writes}")
-    conn.execute(
-        "INSERT INTO prunes (conversation_id, pruned_at, checkpoints, writes, bytes, first_step, last_step,"
-        " kept_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (thread, utc_now(), checkpoints, writes, removal.bytes, *plan.steps, plan.new_root),
-    )
-    return removal
-
-
-def prune_conversation(conn: sqlite3.Connection, path: str | Path, conversation_id: str,
-                       keep: int | None, me: Owner | None) -> Removal:
-    """Prune inside the caller's write transaction on `conn`; the plan is made first, through a
-    read-only connection to `path`, before this transaction changes anything."""
-    require_conversation(conn, conversation_id)
-    gone = recoverable_runs(conn, conversation_id, me, "prune")
-    with read_only(path) as reader:
-        plan = plan_prune(reader, conversation_id, keep)
-    relabel_interrupted(conn, gone, path)
-    return apply_prune(conn, plan)
-
-
-def prune_records(conn: sqlite3.Connection | None, conversation_id: str) -> list[dict[str, Any]]:
-    """The prunes of the conversation, oldest first (empty for a file without `prunes`)."""
-    if conn is None or not has_table(conn, "prunes"):
-        return []
-    cursor = conn.execute(
-        "SELECT pruned_at, checkpoints, writes, bytes, first_step, last_step, kept_from FROM prunes"
-        " WHERE conversation_id = ? ORDER BY id", (conversation_id,))
-    names = [column[0] for column in cursor.description]
-    return [dict(zip(names, row)) for row in cursor]
-
-
-# --- vacuum ------------------------------------------------------------------------------
-
-
-def file_bytes(path: str | Path) -> int:
-    """The database file and its WAL, in bytes."""
-    path = Path(path)
-    return sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
-
-
-def live_runs(conn: sqlite3.Connection, me: Owner | None) -> list[str]:
-    """The `running` runs of live owners, in any conversation."""
-    running = [row[0] for row in conn.execute("SELECT id FROM runs WHERE status = 'running'")]
-    if me is None or not running:
-        return running
-    gone = _stale(conn, me)
-    return [run for run in running if run not in gone]
-
-
-def vacuum(conn: sqlite3.Connection, path: str | Path, me: Owner | None) -> Vacuum:
-    """`VACUUM` the file through `conn` (outside any transaction), then fold the WAL back into it.
-
-    Refused while a live process runs a run anywhere in the file: `VACUUM` holds the write lock
-    for as long as it takes, and a run's next checkpoint would wait for it (5 s, then fail).
-    """
-    if running := live_runs(conn, me):
-        raise SophosError(SESSION_IN_PROGRESS, (
-            f"{len(running)} run(s) in progress in a live process; VACUUM holds the write lock until "
-            "it is done, so run it when they have finished. Nothing was changed."))
-    # Measured with the WAL folded in first, so before and after count the same thing. VACUUM
-    # needs room for a copy of the file: on a full disk it is refused (STORAGE_FULL), undone whole.
-    with full_disk_refused(path):
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        before = file_bytes(path)
-        free = conn.execute("PRAGMA freelist_count").fetchone()[0] * conn.execute("PRAGMA page_size").fetchone()[0]
-        conn.execute("VACUUM")
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    return Vacuum(str(path), before, file_bytes(path), free)

@@ -27,7 +27,8 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -44,7 +45,7 @@ from .agent import (
     read_system_prompt,
 )
 from .counting import shown_count
-from .checkpointer import DurableWrite, NotifyingSaver, WriteObserver, is_fenced, shared_lock
+from .checkpointer import DurableWrite, NotifyingSaver, WriteObserver, is_fenced
 from .errors import SophosError
 from .events import DurableGate, Event, StreamTranslator
 from .export import checkpoint_jsonl, markdown_transcript
@@ -53,8 +54,9 @@ from .ownership import Owner
 from .progress import is_resumable, unfolded, work_left
 from .retention import Removal, Vacuum
 from .settings import Settings
-from .store import (
-    PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, Run, Store, decode_cursor, page_size, unapplied_input,
+from .storage import open_storage
+from .storage.models import (
+    PAGE_SIZE, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun, Run, decode_cursor, page_size, unapplied_input,
     utc_now,
 )
 from .tools import McpTools, approval_rule, mcp_servers, user_memory_path
@@ -279,36 +281,13 @@ class ActiveRun:
         return event  # events() stops right after the final event
 
 
-def open_store(settings: Settings) -> Store:
-    """The application tables where the settings put them: the SQLite file, or PostgreSQL
-    (`DATABASE_URL`; `postgres.PostgresStore` has `Store`'s interface). Nothing is opened yet."""
-    if settings.runs not in ("here", "workers"):
-        raise SophosError(errors.CONFIG_ERROR, (
-            f"SOPHOS_LAB_RUNS is {settings.runs!r}: say `here` (this process runs its runs; the default) "
-            "or `workers` (a pool of workers runs them; PostgreSQL only)."))
-    if settings.on_workers and (not settings.database_url or settings.single_owner):
-        raise SophosError(errors.CONFIG_ERROR, (
-            "SOPHOS_LAB_RUNS=workers needs DATABASE_URL (a pool of workers shares a PostgreSQL "
-            "database) and the kit's ownership (not SOPHOS_LAB_SINGLE_OWNER)."))
-    if not settings.database_url:
-        return Store(settings.database_path, lease_seconds=settings.lease_seconds, single_owner=settings.single_owner,
-                     limits=settings.user_limits)
-    from .postgres import PostgresStore, is_postgres_url
-
-    if not is_postgres_url(settings.database_url):
-        raise SophosError(errors.CONFIG_ERROR, (
-            "DATABASE_URL must be a postgresql:// (or postgres://) URL; unset it to use the SQLite file "
-            "at DATABASE_PATH."))
-    return PostgresStore(settings.database_url, lease_seconds=settings.lease_seconds, requeue_limit=settings.requeue_limit,
-                         single_owner=settings.single_owner, limits=settings.user_limits)
-
-
 class AgentService:
     """The durable agent of one process: conversations, runs and their events."""
 
     def __init__(self, settings: Settings | None = None, log_dir: Path | None = None) -> None:
         self.settings = settings or Settings.from_env()
-        self.store = open_store(self.settings)
+        self.store = open_storage(self.settings)
+        """The application tables (`storage.rules.Storage`), awaited: no call waits on the loop."""
         self.tools = McpTools(self.settings, log_dir=log_dir, idle_seconds=self.settings.user_tools_idle_seconds)
         self.active: dict[str, ActiveRun] = {}
         self.accepting = True
@@ -316,6 +295,12 @@ class AgentService:
         self._saver: NotifyingSaver | None = None
         self._saver_conn = None
         self._opening = asyncio.Lock()
+        self._writing = asyncio.Lock()
+        """Held by each write of a run's life (`_write`) and by the saver's writes, so that this
+        process's own decisions about a run (its start, a cancel, its outcome, the lease) and
+        its checkpoints are made one after the other: a cancel recorded between a step's writes
+        and its checkpoint stops the run before that checkpoint begins."""
+        self._keys: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._lease_keeper: asyncio.Task | None = None
         self._unrecorded: dict[str, str] = {}
         """run id → conversation: this process's runs whose outcome it could not write (a full
@@ -342,16 +327,16 @@ class AgentService:
 
     # reading
 
-    def list_conversations(self) -> list[Conversation]:
+    async def list_conversations(self) -> list[Conversation]:
         """Every conversation, most recently updated first, with its latest run's outcome.
 
         Unbounded, as it always was (the lab's files are small); a client that may face
         thousands of conversations asks for them a page at a time with `conversation_page`.
         """
-        self._recover_before_listing()
-        return self.store.list_conversations()
+        await self.store.recover()
+        return await self.store.list_conversations()
 
-    def conversation_page(self, limit: int = PAGE_SIZE, cursor: str | None = None) -> ConversationPage:
+    async def conversation_page(self, limit: int = PAGE_SIZE, cursor: str | None = None) -> ConversationPage:
         """Up to `limit` conversations (1 to 1000), most recently updated first; for the next
         page pass back the page's `next_cursor` (None on the last page).
 
@@ -360,32 +345,31 @@ class AgentService:
         """
         limit = page_size(limit)
         after = None if cursor is None else decode_cursor(cursor)
-        self._recover_before_listing()
-        return self.store.conversation_page(limit, after)
+        await self.store.recover()
+        return await self.store.conversation_page(limit, after)
 
-    def list_runs(self, conversation: str | None = None) -> list[Run]:
+    async def list_runs(self, conversation: str | None = None) -> list[Run]:
         if conversation is None:
             if users.acting_user.get() is not None:
                 raise SophosError(errors.BAD_REQUEST, "A user lists the runs of one conversation of theirs at a time.")
-            return self.store.list_runs(None)
-        return self.store.list_runs(self._owned(conversation))
+            return await self.store.list_runs(None)
+        return await self.store.list_runs(await self._owned(conversation))
 
     async def conversation_summary(self, conversation: str) -> Conversation:
         """The conversation's row, once a dead owner's run on it is recovered; no thread read."""
-        summary = self._existing(conversation)
-        await self._graph_ready()  # the saver's lock, which app-table writes take
-        if await self._write(self._recover, summary.id):
-            summary = self._existing(summary.id)
+        summary = await self._existing(conversation)
+        if await self._recover(summary.id):
+            summary = await self._existing(summary.id)
         return summary
 
     async def get_conversation(self, conversation: str) -> ConversationDetail:
-        """The conversation, its messages and whether it can be resumed. Reads only SQLite."""
-        summary = self._existing(conversation)
+        """The conversation, its messages and whether it can be resumed. Reads only the database."""
+        summary = await self._existing(conversation)
         graph = await self._graph_ready()
-        if await self._write(self._recover, summary.id):
-            summary = self._existing(summary.id)
+        if await self._recover(summary.id):
+            summary = await self._existing(summary.id)
         state = await graph.aget_state(thread_config(summary.id))
-        pending = self._pending_input(summary.id, state.metadata)
+        pending = await self._pending_input(summary.id, state.metadata)
         messages = message_dtos(state.values.get("messages", [])) + pending_dtos(pending)
         busy = summary.id in self.active or summary.status in ("queued", "running", "waiting")
         work = work_left(state)
@@ -394,21 +378,21 @@ class AgentService:
             messages=messages,
             next=work,
             resumable=is_resumable(work, bool(pending), busy),
-            approval=self.pending_approval(summary.id) if summary.status == "waiting" else None,
+            approval=await self.pending_approval(summary.id) if summary.status == "waiting" else None,
         )
 
-    def pending_approval(self, conversation: object) -> Gate | None:
+    async def pending_approval(self, conversation: object) -> Gate | None:
         """The gate the conversation waits at: its pending tool calls (`calls`: id, name and
         arguments), or None when its latest run is not `waiting`. Reads the app tables only."""
         conversation_id = parse_conversation_id(conversation)
-        latest = self.store.latest_run(conversation_id)
+        latest = await self.store.latest_run(conversation_id)
         if latest is None or latest.status != "waiting":
             return None
-        return self.store.run_gate(latest.id)
+        return await self.store.run_gate(latest.id)
 
     async def state_history(self, conversation: str) -> list[Any]:
         """The thread's checkpoints as LangGraph `StateSnapshot`s, oldest first."""
-        summary = self._existing(conversation)
+        summary = await self._existing(conversation)
         graph = await self._graph_ready()
         history = [snapshot async for snapshot in graph.aget_state_history(thread_config(summary.id))]
         return history[::-1]
@@ -435,13 +419,13 @@ class AgentService:
         text = parse_message(message)
         conversation_id = None if conversation is None else parse_conversation_id(conversation)
         keyed = self._keyed(idempotency_key, canonical_request(False, text, conversation_id))
-        if keyed is not None and (first := self.first_run_of(keyed)) is not None:
+        if keyed is not None and (first := await self.first_run_of(keyed)) is not None:
             return first
         try:
             return await self._chat(text, conversation_id, keyed)
         except SophosError:
             # A request with the same key may have started its run while this one was checked.
-            if keyed is not None and (first := self.first_run_of(keyed)) is not None:
+            if keyed is not None and (first := await self.first_run_of(keyed)) is not None:
                 return first
             raise
 
@@ -450,10 +434,10 @@ class AgentService:
         if conversation_id is None:
             conversation_id, new = str(uuid.uuid4()), True
         else:
-            conversation_id, new = self._existing(conversation_id).id, False
+            conversation_id, new = (await self._existing(conversation_id)).id, False
         self._check_idle(conversation_id)
         if not new:
-            self._check_not_waiting(conversation_id)
+            await self._check_not_waiting(conversation_id)
         check_config(self.settings)  # a bad mcp.json or system.md is refused with nothing written
         await self._graph_ready()
         # A message accepted earlier that never reached the thread goes first: nothing is dropped.
@@ -462,21 +446,31 @@ class AgentService:
         return await self._launch(conversation_id, messages, resume=False, title=text if new else None,
                                   idempotency=keyed)
 
-    def first_run_of(self, keyed: IdempotencyKey) -> ActiveRun | None:
+    async def first_run_of(self, keyed: IdempotencyKey) -> ActiveRun | None:
         """The run an idempotency key started (None if it started none), refused with
         `IDEMPOTENCY_KEY_REUSED` if that was for another request."""
-        first = self.keyed_run(keyed)
-        return None if first is None else self._run_as_started(first.run_id)
+        first = await self.keyed_run(keyed)
+        return None if first is None else await self._run_as_started(first.run_id)
 
-    def keyed_run(self, keyed: IdempotencyKey) -> KeyedRun | None:
+    async def keyed_run(self, keyed: IdempotencyKey) -> KeyedRun | None:
         """The row of the run an idempotency key started (None if none), refused with
         `IDEMPOTENCY_KEY_REUSED` if that was for another request."""
-        first = self.store.keyed_run(keyed.key)
+        first = await self.store.keyed_run(keyed.key)
         if first is not None and first.request != keyed.request:
             raise SophosError(errors.IDEMPOTENCY_KEY_REUSED, (
                 f"The idempotency key {keyed.key!r} started run {first.run_id} with a different request; "
                 "use a new key for a new request."))
         return first
+
+    @contextlib.asynccontextmanager
+    async def requests_keyed(self, key: str) -> AsyncIterator[None]:
+        """Held by a request with the idempotency key `key` while it looks for the key's run and
+        starts one: a repeat that comes meanwhile finds the first's run, as a repeat."""
+        lock = self._keys.get(key)
+        if lock is None:
+            lock = self._keys[key] = asyncio.Lock()
+        async with lock:
+            yield
 
     def _keyed(self, key: str | IdempotencyKey | None, request: str) -> IdempotencyKey | None:
         if key is None or isinstance(key, IdempotencyKey):
@@ -495,28 +489,28 @@ class AgentService:
         """
         conversation_id = parse_conversation_id(conversation)
         keyed = self._keyed(idempotency_key, canonical_request(True, None, conversation_id))
-        if keyed is not None and (first := self.first_run_of(keyed)) is not None:
+        if keyed is not None and (first := await self.first_run_of(keyed)) is not None:
             return first
         try:
             return await self._resume(conversation_id, keyed)
         except SophosError:
-            if keyed is not None and (first := self.first_run_of(keyed)) is not None:
+            if keyed is not None and (first := await self.first_run_of(keyed)) is not None:
                 return first
             raise
 
     async def _resume(self, conversation_id: str, keyed: IdempotencyKey | None) -> ActiveRun:
         self._check_accepting()
-        conversation_id = self._existing(conversation_id).id
+        conversation_id = (await self._existing(conversation_id)).id
         self._check_idle(conversation_id)
         check_config(self.settings)
         graph = await self._graph_ready()
-        await self._write(self._recover, conversation_id)
-        self._check_not_waiting(conversation_id)
+        await self._recover(conversation_id)
+        await self._check_not_waiting(conversation_id)
         state = await graph.aget_state(thread_config(conversation_id))
-        pending = self._pending_input(conversation_id, state.metadata)
+        pending = await self._pending_input(conversation_id, state.metadata)
         if not work_left(state) and not pending:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")
-        decided = self._decided_gate(conversation_id, state.interrupts)
+        decided = await self._decided_gate(conversation_id, state.interrupts)
         command = None if decided is None else Command(resume={decided.id: decided.decisions})
         return await self._launch(conversation_id, pending, resume=True, idempotency=keyed, command=command)
 
@@ -537,17 +531,17 @@ class AgentService:
         different ones are refused (`GATE_DECIDED`). Decisions that do not fit the gate are
         refused (`APPROVAL_MISMATCH`), and nothing waiting is `NO_APPROVAL_PENDING`.
         """
-        conversation_id = self._existing(conversation).id
+        conversation_id = (await self._existing(conversation)).id
         asked = None if decisions is None else parse_decisions(decisions)
         gate = None if gate is None else parse_id(gate, "The gate id")
         await self._graph_ready()
-        await self._write(self._recover, conversation_id)
-        pending = self.pending_approval(conversation_id)
-        target = self._target_gate(conversation_id, pending, gate, asked)
+        await self._recover(conversation_id)
+        pending = await self.pending_approval(conversation_id)
+        target = await self._target_gate(conversation_id, pending, gate, asked)
         if asked is None:
             asked = every_call(target, APPROVE)
         if target.decided or pending is None or target.id != pending.id:
-            return self._repeated_approval(target, asked)
+            return await self._repeated_approval(target, asked)
         recorded = check_decisions(target, asked)
         self._check_accepting()
         self._check_idle(conversation_id)
@@ -559,31 +553,31 @@ class AgentService:
             if error.code != errors.GATE_DECIDED:
                 raise
             # Another process decided meanwhile.
-            return self._repeated_approval(self.store.gate(conversation_id, target.id), asked)
+            return await self._repeated_approval(await self.store.gate(conversation_id, target.id), asked)
 
     async def reject(self, conversation: object, reason: str | None = None, gate: str | None = None) -> ActiveRun:
         """Reject every call of the gate (`gate`, else the one waiting now), with `reason` for
         the model (its tool results say the user rejected the call, and why); as `approve()`."""
-        conversation_id = self._existing(conversation).id
+        conversation_id = (await self._existing(conversation)).id
         if reason is not None and (not isinstance(reason, str) or not reason.strip()):
             raise SophosError(errors.BAD_REQUEST, f"A reason must be text that is not blank, not {reason!r}. Nothing was decided.")
         if reason is not None:
             parse_message(reason)  # text UTF-8 can store exactly
         gate = None if gate is None else parse_id(gate, "The gate id")
-        target = self._target_gate(conversation_id, self.pending_approval(conversation_id), gate, None)
+        target = await self._target_gate(conversation_id, await self.pending_approval(conversation_id), gate, None)
         return await self.approve(conversation_id, every_call(target, REJECT, reason), gate=target.id)
 
-    def _target_gate(self, conversation_id: str, pending: Gate | None, gate: str | None,
-                     asked: dict[str, dict] | None) -> Gate:
+    async def _target_gate(self, conversation_id: str, pending: Gate | None, gate: str | None,
+                           asked: dict[str, dict] | None) -> Gate:
         """The gate an approval is about: the one named, else the decided one whose calls the
         decisions name (a retry, while a later gate may wait), else the one waiting now, else
         (nothing waits, no decisions given) the latest one, decided: a repeat."""
         if gate is not None:
-            named = self.store.gate(conversation_id, gate)
+            named = await self.store.gate(conversation_id, gate)
             if named is None:
                 raise SophosError(errors.NO_APPROVAL_PENDING, f"No gate {gate!r} on conversation {conversation_id}.")
             return named
-        gates = list(reversed(self.store.gates(conversation_id)))
+        gates = list(reversed(await self.store.gates(conversation_id)))
         if asked is not None:
             for earlier in gates:
                 if earlier.decided and set(asked) <= {call["id"] for call in earlier.calls}:
@@ -594,7 +588,7 @@ class AgentService:
             return gates[0]  # nothing waits: a repeat of the latest decision
         raise SophosError(errors.NO_APPROVAL_PENDING, f"No run waits for approval on conversation {conversation_id}.")
 
-    def _repeated_approval(self, gate: Gate, asked: dict[str, dict[str, Any]]) -> ActiveRun:
+    async def _repeated_approval(self, gate: Gate, asked: dict[str, dict[str, Any]]) -> ActiveRun:
         """An approval of a gate that is not the one waiting: the run its decision started, if
         the decisions are the same; `GATE_DECIDED` if they differ; `NO_APPROVAL_PENDING` if the
         gate was never decided (its run was superseded: nothing waits there any more)."""
@@ -608,38 +602,38 @@ class AgentService:
                 "cannot be changed; the run it started carried it on."))
         if gate.decided_run_id is None:
             raise SophosError(errors.NO_APPROVAL_PENDING, "The run that carried this decision is gone.")
-        return self._run_as_started(gate.decided_run_id)
+        return await self._run_as_started(gate.decided_run_id)
 
-    def _check_not_waiting(self, conversation_id: str) -> None:
-        gate = self.pending_approval(conversation_id)
+    async def _check_not_waiting(self, conversation_id: str) -> None:
+        gate = await self.pending_approval(conversation_id)
         if gate is not None:
             names = ", ".join(call["name"] for call in gate.calls)
             raise SophosError(errors.RUN_WAITING, (
                 f"The run waits for approval of {len(gate.calls)} tool call(s) ({names}): approve or "
                 "reject them (approve()) to carry on."))
 
-    def _decided_gate(self, conversation_id: str, interrupts: Any) -> Gate | None:
+    async def _decided_gate(self, conversation_id: str, interrupts: Any) -> Gate | None:
         """The decided gate among the thread's pending interrupts, if any."""
         for pending in interrupts or ():
-            gate = self.store.gate(conversation_id, pending.id)
+            gate = await self.store.gate(conversation_id, pending.id)
             if gate is not None and gate.decided:
                 return gate
         return None
 
-    def _run_as_started(self, run_id: str) -> ActiveRun:
+    async def _run_as_started(self, run_id: str) -> ActiveRun:
         """A run started earlier, to follow like a new one: itself if it is active here, else
         its `started` and final events as recorded."""
-        row = self.store.get_run(run_id)
+        row = await self.store.get_run(run_id)
         active = self.active.get(row.conversation_id) if row else None
         if active is not None and active.id == run_id:
             return active
         if row is None:
             raise SophosError(errors.NOT_FOUND, f"Run Not Found: {run_id}")
-        if row.status == "running" and (self._saver is None or not self._saver.lock.locked()):
-            self.store.recover(row.conversation_id)  # its owner may be gone (see _recover_before_listing)
-            row = self.store.get_run(run_id)
-        if self.settings.on_workers and self.store.event_span(run_id)[1]:
-            return self._remote(row.id, row.conversation_id, row.input is None, replayed=True)
+        if row.status == "running":
+            await self.store.recover(row.conversation_id)  # its owner may be gone
+            row = await self.store.get_run(run_id)
+        if self.settings.on_workers and (await self.store.event_span(run_id))[1]:
+            return await self._remote(row.id, row.conversation_id, row.input is None, replayed=True)
         if row.status == "running":
             raise SophosError(errors.SESSION_IN_PROGRESS, (
                 f"Run {run_id} is running in another process: follow it there."))
@@ -649,7 +643,7 @@ class AgentService:
             run.publish("chat-error", {"code": row.error_code, "message": row.error_message,
                                        "conversation": row.conversation_id, "run": row.id})
         else:
-            stopped_at = self.store.run_gate(row.id) if row.status == "waiting" else None
+            stopped_at = await self.store.run_gate(row.id) if row.status == "waiting" else None
             run.publish("end", self._end_data(row.conversation_id, row.id, row.status,
                                               stopped_at if stopped_at and not stopped_at.decided else None))
         return run
@@ -673,24 +667,27 @@ class AgentService:
         the outcome: a run already recorded answers with its final event (`end` if it
         completed). Refused with `RUN_NOT_ACTIVE` when this process runs nothing there.
         """
-        conversation_id = self._existing(conversation).id
-        run = self.active.get(conversation_id)
+        conversation_id = parse_conversation_id(conversation)
+        run = self.active.get(conversation_id) if users.acting_user.get() is None else None
+        if run is None:  # (a run of this process is stopped at once: nothing is read first)
+            conversation_id = (await self._existing(conversation_id)).id
+            run = self.active.get(conversation_id)
         if run is None and self.settings.on_workers:
-            latest = self.store.latest_run(conversation_id)
-            if latest is not None and latest.status in ("queued", "running") and self.store.event_span(latest.id)[1]:
+            latest = await self.store.latest_run(conversation_id)
+            if latest is not None and latest.status in ("queued", "running") and (await self.store.event_span(latest.id))[1]:
                 # A worker's run: recorded first (a queued one is cancelled at once), then its worker told.
-                remote = self._remote(latest.id, conversation_id, latest.input is None)
-                self.store.cancel_remote(latest.id)
+                remote = await self._remote(latest.id, conversation_id, latest.input is None)
+                await self.store.cancel_remote(latest.id)
                 return await remote.wait()
         if run is None:
-            latest = self.store.latest_run(conversation_id)
+            latest = await self.store.latest_run(conversation_id)
             where = (" (its latest run is running in another process: cancel it there)"
                      if latest is not None and latest.status == "running" else "")
             raise SophosError(errors.RUN_NOT_ACTIVE, f"No run is active on conversation {conversation_id}{where}.")
         if not run.cancel_requested:
-            def request() -> bool:
+            async def request() -> bool:
                 # Under the lock: the outcome is either written already or will see the request.
-                run.cancel_requested = not run.recorded and self.store.request_cancel(run.id)
+                run.cancel_requested = not run.recorded and await self.store.request_cancel(run.id)
                 return run.cancel_requested
 
             if await self._write(request):
@@ -744,29 +741,23 @@ class AgentService:
         conn, self._saver_conn, self._graph = self._saver_conn, None, None
         if conn is not None:
             await conn.close()
-        self.store.close()
+        await self.store.aclose()
 
     # internals
 
-    def _existing(self, conversation: object) -> Conversation:
+    async def _existing(self, conversation: object) -> Conversation:
         conversation_id = parse_conversation_id(conversation)
-        summary = self.store.get_conversation(conversation_id)
+        summary = await self.store.get_conversation(conversation_id)
         if summary is None:
             raise SophosError(errors.NOT_FOUND, f"Conversation Not Found: {conversation_id}")
         return summary
 
-    def _owned(self, conversation: object) -> str:
+    async def _owned(self, conversation: object) -> str:
         """The id, once the acting user is known to own it (`NOT_FOUND` otherwise); with no user
         acting, only parsed: the retention calls must not open a file before their own checks."""
         if users.acting_user.get() is None:
             return parse_conversation_id(conversation)
-        return self._existing(conversation).id
-
-    def _recover_before_listing(self) -> None:
-        if self._saver is None or not self._saver.lock.locked():
-            # No saver on this loop is between its INSERT and its commit, and none can start one
-            # during this synchronous write: it cannot wait on a transaction that needs this loop.
-            self.store.recover()
+        return (await self._existing(conversation)).id
 
     def _check_accepting(self) -> None:
         if not self.accepting:
@@ -784,19 +775,18 @@ class AgentService:
         return self._graph
 
     async def _build_graph(self) -> None:
-        self.store.conn  # noqa: B018 - the first open runs migrations and recovery
-        lock = shared_lock(self.settings.database)
+        await self.store.open()  # the first open runs migrations and recovery
         owner = None if self.settings.single_owner else self.store.owner.id
         if self.settings.database_url:
-            from . import postgres
+            from .storage import postgres
 
-            conn, saver = await postgres.open_saver(self.settings.database_url, owner, lock)
+            conn, saver = await postgres.open_saver(self.settings.database_url, owner, self._writing)
         else:
             import aiosqlite
 
             conn = await aiosqlite.connect(self.settings.database_path)
             await conn.execute("PRAGMA busy_timeout = 5000")
-            saver = NotifyingSaver(conn, lock=lock)
+            saver = NotifyingSaver(conn, lock=self._writing)
             await saver.setup()
             if owner is not None:
                 await saver.fence(owner)
@@ -810,17 +800,17 @@ class AgentService:
         )
         self._saver_conn, self._saver, self._graph = conn, saver, build_graph(parts, saver, settings=self.settings)
 
-    def _recover(self, conversation_id: str) -> int:
+    async def _recover(self, conversation_id: str) -> int:
         """`store.recover` for the conversation, and this process's own runs there whose outcome
         could not be written (a full disk; left for a later look if the disk is full still)."""
-        return self._relabel_unrecorded(conversation_id, refuse=False) + self.store.recover(conversation_id)
+        return await self._relabel_unrecorded(conversation_id, refuse=False) + await self.store.recover(conversation_id)
 
-    def _relabel_unrecorded(self, conversation_id: str, refuse: bool) -> int:
+    async def _relabel_unrecorded(self, conversation_id: str, refuse: bool) -> int:
         stranded = [run_id for run_id, there in self._unrecorded.items() if there == conversation_id]
         if not stranded:
             return 0
         try:
-            count = self.store.relabel(stranded)
+            count = await self.store.relabel(stranded)
         except SophosError as error:
             if refuse or error.code != errors.STORAGE_FULL:
                 raise
@@ -840,20 +830,17 @@ class AgentService:
             except Exception:  # an observer's failure is its own: the run goes on
                 log.exception("the write observer failed on %s", write)
 
-    async def _write(self, write: Any, *args: Any) -> Any:
-        """Run an app-table write on the loop, outside any transaction of the saver.
-
-        The saver holds its lock from its INSERT to its commit, and needs the loop in between;
-        a synchronous write that waited on SQLite's lock meanwhile would block that very loop.
-        """
-        async with self._saver.lock:
-            return write(*args)
+    async def _write(self, write: Callable[..., Any], *args: Any) -> Any:
+        """Await a write of a run's life (`write(*args)`) holding `_writing`: this process's flags
+        about its runs (`active`, `recorded`, `cancel_requested`) change with the rows they mirror."""
+        async with self._writing:
+            return await write(*args)
 
     async def _carried_input(self, conversation_id: str) -> list[dict[str, str]]:
         """`_pending_input` for a new message. The common case (the last run completed, so its
         input is in the thread) reads no checkpoint; otherwise the thread's latest state (live:
         a gate a carried decision has answered no longer holds it)."""
-        latest = self.store.latest_run(conversation_id)
+        latest = await self.store.latest_run(conversation_id)
         if latest is None or latest.status == "completed":
             return []
         state = await self._graph.aget_state(thread_config(conversation_id))
@@ -874,7 +861,7 @@ class AgentService:
                 "the gate, then approve or reject them."))
         if not latest.input:
             return []
-        return self._pending_input(conversation_id, state.metadata)
+        return await self._pending_input(conversation_id, state.metadata)
 
     def _unasked_calls(self, state: Any) -> list[str]:
         """The tool calls needing approval that the thread's tools step, still to run, holds."""
@@ -885,11 +872,11 @@ class AgentService:
         return [call["name"] for call in getattr(messages[-1], "tool_calls", None) or []
                 if needs_approval(call["name"])] if messages else []
 
-    def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
+    async def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
         """The messages of the latest run if they never reached the thread, else [].
 
         `metadata` is that of the thread's latest checkpoint (None when there is none)."""
-        latest = self.store.latest_run(conversation_id)
+        latest = await self.store.latest_run(conversation_id)
         if latest is None:
             return []
         return unapplied_input(latest.id, latest.input, (metadata or {}).get("run_id"))
@@ -908,11 +895,11 @@ class AgentService:
         run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume,
                         keep=self.settings.event_buffer)
 
-        def start() -> None:
+        async def start() -> None:
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
-            self._relabel_unrecorded(conversation_id, refuse=True)
+            await self._relabel_unrecorded(conversation_id, refuse=True)
             try:
-                self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision)
+                await self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision)
             except Exception as error:
                 if errors.database_unavailable(error):  # its commit may have landed, the answer lost:
                     self._note_stray()  # a run of ours with no task
@@ -935,47 +922,46 @@ class AgentService:
                      idempotency: IdempotencyKey | None, decision: tuple[Gate, dict[str, dict]] | None) -> Any:
         run_id = str(uuid.uuid4())
 
-        def queue() -> None:
+        async def queue() -> None:
             self._check_accepting()
-            self.store.queue_run(run_id, conversation_id, messages, title, idempotency, decision, resume)
+            await self.store.queue_run(run_id, conversation_id, messages, title, idempotency, decision, resume)
             self._observe(DurableWrite("run", conversation_id))
 
         await self._write(queue)
-        return self._remote(run_id, conversation_id, resume)
+        return await self._remote(run_id, conversation_id, resume)
 
-    def _remote(self, run_id: str, conversation_id: str, resume: bool, replayed: bool = False) -> Any:
+    async def _remote(self, run_id: str, conversation_id: str, resume: bool, replayed: bool = False) -> Any:
         """A worker's run, to follow from the events table (`queue.RemoteRun`)."""
         from .queue import EventFeed, RemoteRun
 
         if self._feed is None:
             self._feed = EventFeed(self.settings.database_url)
-        dropped, last = self.store.event_span(run_id)
+        dropped, last = await self.store.event_span(run_id)
         return RemoteRun(run_id, conversation_id, resume, self._feed, self._look, self.settings.lease_seconds / 3,
                          dropped=dropped, last_id=last, replayed=replayed)
 
     async def _look(self, run: Any) -> None:
         """No news of a worker's run for a while: if its worker is gone, relabel it (which writes
         its final event), or write the final event of an outcome it recorded and did not announce."""
-        await self._graph_ready()
-        await self._write(self._recover, run.conversation)
-        await self._write(self.store.close_orphaned_events, run.id)
+        await self._recover(run.conversation)
+        await self.store.close_orphaned_events(run.id)
 
-    def run_to_follow(self, conversation_id: str, after: int) -> Any:
+    async def run_to_follow(self, conversation_id: str, after: int) -> Any:
         """With workers: the conversation's latest run to follow from the events table, if it is
         queued or running, or if the client has events of it (`after`) still kept; else None."""
-        latest = self.store.latest_run(conversation_id)
+        latest = await self.store.latest_run(conversation_id)
         if latest is None:
             return None
-        dropped, last = self.store.event_span(latest.id)
+        dropped, last = await self.store.event_span(latest.id)
         if not last:
             return None  # no events kept
         finished = latest.status not in ("queued", "running")
-        if finished and not 0 < after < last and (dropped == last or self.store.final_event_kept(latest.id)):
+        if finished and not 0 < after < last and (dropped == last or await self.store.final_event_kept(latest.id)):
             return None  # a finished run the client has every event of, or whose events a crash took
         # A finished run whose events are kept but not its final one: its worker has written the
         # outcome and not given the final event yet (persist, then notify). It is followed to
         # that event, or to the one a look writes for it if the worker died in between.
-        return self._remote(latest.id, conversation_id, latest.input is None)
+        return await self._remote(latest.id, conversation_id, latest.input is None)
 
     async def claim(self, sink: Callable[[str, str, Event], None]) -> ActiveRun | None:
         """As a worker: claim the next queued run and run it, with the input `resume()` would work
@@ -988,9 +974,9 @@ class AgentService:
         the run's task, which records an outcome or gives the run up, whatever fails."""
         graph = await self._graph_ready()
 
-        def claim() -> tuple[ActiveRun, Run] | None:
+        async def claim() -> tuple[ActiveRun, Run] | None:
             try:
-                row = self.store.claim_run()
+                row = await self.store.claim_run()
             except Exception as error:
                 if errors.database_unavailable(error):
                     self._note_stray()  # the claim may have committed with its answer lost
@@ -1013,13 +999,13 @@ class AgentService:
     async def _execute_claimed(self, run: ActiveRun, row: Run, graph: Any) -> None:
         try:
             self._point("claimed")
-            run.dropped = self.store.event_span(row.id)[1]  # ids go on after those it gave
+            run.dropped = (await self.store.event_span(row.id))[1]  # ids go on after those it gave
             state = await graph.aget_state(thread_config(row.conversation_id))
-            pending = self._pending_input(row.conversation_id, state.metadata)
+            pending = await self._pending_input(row.conversation_id, state.metadata)
             graph_input = None
             if pending:
                 graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in pending]}
-            elif (decided := self._decided_gate(row.conversation_id, state.interrupts)) is not None:
+            elif (decided := await self._decided_gate(row.conversation_id, state.interrupts)) is not None:
                 graph_input = Command(resume={decided.id: decided.decisions})
         except Exception:
             # Not started: given up now, as a crash's run would be (re-queued or relabelled, its
@@ -1052,10 +1038,10 @@ class AgentService:
         """While this process has runs, renew its lease; a run taken over stops at its next step.
         Each round also gives up this owner's runs that no task works on (`_give_up_strays`) and
         stops a run that has run longer than its steps can take (`overdue_seconds`)."""
-        def renew() -> list[ActiveRun]:
+        async def renew() -> list[ActiveRun]:
             # Under the lock, so a run is either recorded already or still ours to vouch for.
             runs = [run for run in self.active.values() if not run.recorded]
-            lost = self.store.renew_lease([run.id for run in runs])
+            lost = await self.store.renew_lease([run.id for run in runs])
             return [run for run in runs if run.id in lost]
 
         while self.active or self._strays_possible:
@@ -1081,15 +1067,15 @@ class AgentService:
         self._strays_possible = True
         self._keep_lease()
 
-    def _give_up_strays(self) -> int:
+    async def _give_up_strays(self) -> int:
         """Give up the runs `running` under this owner that no task of this process works on: a
         claim or a start whose commit landed but whose answer was lost, a claimed run whose
         start failed, an outcome that could not be written. Re-queued or relabelled as a gone
         owner's are (`store.give_up`), so no conversation stays refused behind a live process.
         Under the lock: a run is in `active` from the write that makes it ours."""
         working = {run.id for run in self.active.values() if run.task is None or not run.task.done()}
-        strays = [run_id for run_id in self.store.owned_runs() if run_id not in working]
-        given_up = self.store.give_up(strays) if strays else 0
+        strays = [run_id for run_id in await self.store.owned_runs() if run_id not in working]
+        given_up = await self.store.give_up(strays) if strays else 0
         for run_id in strays:
             self._unrecorded.pop(run_id, None)
         self._strays_possible = False
@@ -1146,10 +1132,10 @@ class AgentService:
             await asyncio.sleep(wait)  # a backoff, not a barrier
             wait = min(wait * 2, 2.0)
 
-    def _recorded_already(self, run_id: str, status: str, error: tuple[str, str] | None) -> bool:
+    async def _recorded_already(self, run_id: str, status: str, error: tuple[str, str] | None) -> bool:
         """After an outcome write whose answer was lost (the connection cut at its commit), is
         this outcome the one the row holds? Then it was written, and the retry found it so."""
-        row = self.store.get_run(run_id)
+        row = await self.store.get_run(run_id)
         mine = self.store.owner is None or (row is not None and row.owner_id == self.store.owner.id)
         return row is not None and mine and (row.status, row.error_code) == (status, error[0] if error else None)
 
@@ -1180,11 +1166,11 @@ class AgentService:
             # The conversation's owner's own MCP servers serve its tools (a memory of theirs only);
             # the owner comes from the row, never from the model.
             self._point("owner")
-            owner = users.owner_of(self.store, run.conversation)
+            owner = await users.owner_of(self.store, run.conversation)
             users.run_owner.set(owner)
             self._point("budget")
-            budget = users.step_budget(self.store.conn, owner, self.settings.user_limits,
-                                       self.settings.recursion_limit, utc_now())
+            budget = await users.step_budget(self.store, owner, self.settings.user_limits,
+                                             self.settings.recursion_limit, utc_now())
             config["recursion_limit"] = budget.steps
             self.tools.hold(owner)
             asyncio.current_task().add_done_callback(lambda _: self.tools.release(owner))
@@ -1225,19 +1211,19 @@ class AgentService:
         count = translator.message_count if status in ("completed", "waiting") else None
         attempts = 0
 
-        def record() -> bool:
+        async def record() -> bool:
             nonlocal status, error, stopped_at
             if run.cancel_requested:  # written before this, under the same lock: it wins
                 status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
-            recorded = self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at,
-                                             steps=steps)
-            if not recorded and not run.cancel_requested and self.store.cancel_requested(run.id):
-                # Another process recorded a cancel of this worker's run before this outcome.
+            recorded = await self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at,
+                                                   steps=steps)
+            if not recorded and not run.cancel_requested and await self.store.cancel_requested(run.id):
+                # Another process recorded a cancel of this run before this outcome.
                 run.cancel_requested = True
                 status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
-                recorded = self.store.finish_run(run.id, status, count, *error, gate=None, steps=steps)
+                recorded = await self.store.finish_run(run.id, status, count, *error, gate=None, steps=steps)
             if not recorded and attempts > 1:
-                recorded = self._recorded_already(run.id, status, error)
+                recorded = await self._recorded_already(run.id, status, error)
             run.recorded = True
             if recorded:
                 self._observe(DurableWrite("outcome", run.conversation, status=status))
@@ -1298,7 +1284,7 @@ class AgentService:
         The fold's checkpoint is the stopped run's (the one whose step it is): this run's own
         input has not reached the thread yet (see `unapplied_input`). A resume stops before any
         node (an input-less run passes no breakpoint in its first step, so it folds just that)."""
-        runs = self.store.list_runs(run.conversation)
+        runs = await self.store.list_runs(run.conversation)
         if len(runs) < 2 or runs[-2].status == "completed":
             return
         config = thread_config(run.conversation)
@@ -1323,31 +1309,20 @@ class AgentService:
             return None
         # What get_conversation will show (see `counting`): an accepted message a cancel kept
         # out of the thread counts too.
-        return shown_count(state.values.get("messages", []), self._pending_input(conversation_id, state.metadata))
+        return shown_count(state.values.get("messages", []), await self._pending_input(conversation_id, state.metadata))
 
-    # retention (see `retention`): only this SQLite file; the memory server's file is never touched
+    # retention (see `retention`): only the database's tables; the memory server's file is never touched
 
     async def delete_conversation(self, conversation: object, dry_run: bool = False) -> Removal:
         """Delete the conversation with its runs, checkpoints, writes and prune records, in one
-        transaction; what went (with `dry_run`: what would go, read-only, nothing changed).
+        transaction; what went (with `dry_run`: what would go, nothing changed).
 
         Refused with `SESSION_IN_PROGRESS` while a live process runs it. A run whose process is
-        gone (a crash) is recovered first, so a crashed conversation can be deleted.
+        gone (a crash) goes with it, so a crashed conversation can be deleted.
         """
-        conversation_id = self._owned(conversation)
+        conversation_id = await self._owned(conversation)
         self._check_idle(conversation_id)
-        if self.settings.database_url:
-            return self.store.delete_conversation(conversation_id, self._retention_owner(), dry_run)
-        path = self.settings.database_path
-        # Read-only first: a refusal (unknown, running) writes nothing, not even an owner row.
-        with retention.read_only(path) as conn:
-            removal = retention.plan_delete(conn, conversation_id)
-            retention.recoverable_runs(conn, conversation_id, self._retention_owner(), "delete")
-        if dry_run:
-            return replace(removal, dry_run=True)
-        async with shared_lock(path):
-            with self.store.transaction() as conn:
-                return retention.delete_conversation(conn, conversation_id, self._retention_owner())
+        return await retention.delete_conversation(self.store, conversation_id, self._retention_owner(), dry_run)
 
     async def prune_conversation(self, conversation: object, keep: int | None = None,
                                  dry_run: bool = False) -> Removal:
@@ -1359,57 +1334,38 @@ class AgentService:
         prune is recorded (`prunes`) and shown by the checkpoint-history view. Refused while a
         live process runs the conversation; `dry_run` says what would go and changes nothing.
         """
-        conversation_id = self._owned(conversation)
+        conversation_id = await self._owned(conversation)
         keep = retention.parse_keep(keep)
         self._check_idle(conversation_id)
-        if self.settings.database_url:
-            return self.store.prune_conversation(conversation_id, keep, self._retention_owner(), dry_run)
-        path = self.settings.database_path
-        with retention.read_only(path) as conn:
-            retention.require_conversation(conn, conversation_id)
-            retention.recoverable_runs(conn, conversation_id, self._retention_owner(), "prune")
-            if dry_run:
-                return replace(retention.plan_prune(conn, conversation_id, keep).removal, dry_run=True)
-        async with shared_lock(path):
-            with self.store.transaction() as conn:
-                return retention.prune_conversation(conn, path, conversation_id, keep, self._retention_owner())
+        return await retention.prune_conversation(self.store, conversation_id, keep, self._retention_owner(), dry_run)
 
     async def vacuum(self) -> Vacuum:
         """Give the space of deleted rows back to the file system (`VACUUM`, then the WAL folded
         back into the file; on PostgreSQL `VACUUM FULL` of the kit's and LangGraph's tables); the
         size before and after. Refused while a run is running."""
-        if self.settings.database_url:
-            return self.store.vacuum(self._retention_owner())
-        self._require_file()
-        async with shared_lock(self.settings.database_path):
-            return retention.vacuum(self.store.conn, self.settings.database_path, self._retention_owner())
+        if not self.settings.database_url and not self.store.is_open and not self.settings.database_path.exists():
+            raise SophosError(errors.NOT_FOUND, f"No database at {self.settings.database_path}")
+        return await retention.vacuum(self.store, self._retention_owner())
 
     async def delete_user(self, name: str, dry_run: bool = False) -> list[Removal]:
         """Delete a user with every conversation of theirs (runs, checkpoints, writes, gates,
         idempotency keys, prunes: each conversation in one transaction, as `delete_conversation`),
         then the user and the files of their own MCP servers (their memory); what went, a removal per conversation (`dry_run`: what would go,
         nothing changed). Refused, before anything goes, while a run of theirs is live."""
-        user = users.find_user(self.store, name)
-        conversations = users.user_conversations(self.store, user)
+        user = await users.find_user(self.store, name)
+        conversations = await users.user_conversations(self.store, user)
         removals = [await self.delete_conversation(c, dry_run=True) for c in conversations]  # refusals first
         if dry_run:
             return removals
         removals = [await self.delete_conversation(c) for c in conversations]
-        users.forget_user(self.store, user)
+        await users.forget_user(self.store, user)
         await self.tools.stop_user(user.id)
         shutil.rmtree(user_memory_path(self.settings, user.id).parent, ignore_errors=True)
         return removals
 
-    def conversation_ids(self) -> list[str]:
+    async def conversation_ids(self) -> list[str]:
         """Every conversation id, oldest first (read-only on SQLite; what `prune --all` goes through)."""
-        if self.settings.database_url:
-            return self.store.conversation_ids()
-        return retention.conversation_ids(self.settings.database_path)
-
-    def _require_file(self) -> None:
-        """Retention on a file that does not exist is refused, and does not create it."""
-        if not self.store.is_open and not self.settings.database_path.exists():
-            raise SophosError(errors.NOT_FOUND, f"No database at {self.settings.database_path}")
+        return await retention.conversation_ids(self.store)
 
     def _retention_owner(self) -> Owner | None:
         """Who judges whether a run's owner is gone: this store (a fresh identity before it is

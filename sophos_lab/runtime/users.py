@@ -24,7 +24,6 @@ import contextvars
 import hashlib
 import re
 import secrets
-import sqlite3
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -66,33 +65,26 @@ def check_name(name: object) -> str:
     return name
 
 
-def _sql(conn: Any, sql: str) -> str:
-    """The kit's SQL here is SQLite's, with `?` placeholders; psycopg's are `%s`."""
-    return sql if isinstance(conn, sqlite3.Connection) else sql.replace("?", "%s")
-
-
 def _user(row: Any) -> User:
     return User(row["id"], row["name"], row["created_at"], row["revoked_at"])
 
 
-def check_owner(conn: Any, conversation_id: str) -> None:
+async def check_owner(tx: Any, conversation_id: str) -> None:
     """Inside the transaction that starts a run on an existing conversation: `NOT_FOUND` unless
     the acting user (if any) owns it; its row stays locked to the commit on PostgreSQL."""
     user = acting_user.get()
     if user is None:
         return
-    lock = "" if isinstance(conn, sqlite3.Connection) else " FOR SHARE"
-    row = conn.execute(_sql(conn, "SELECT 1 FROM conversations WHERE id = ? AND user_id = ?" + lock),
-                       (conversation_id, user)).fetchone()
-    if row is None:
+    if await tx.row("SELECT 1 FROM conversations WHERE id = :id AND user_id = :user{for_share}",
+                    {"id": conversation_id, "user": user}) is None:
         raise SophosError(errors.NOT_FOUND, f"Conversation Not Found: {conversation_id}")
 
 
-def mine(alias: str = "c", placeholder: str = "?") -> tuple[str, tuple]:
-    """The acting user's filter on conversations, `(" AND <alias>.user_id = ?", (id,))` (`%s`
-    for psycopg), or nothing when no user acts."""
+def mine(alias: str = "c") -> tuple[str, dict[str, Any]]:
+    """The acting user's filter on conversations, `(" AND <alias>.user_id = :acting_user", {...})`,
+    or nothing when no user acts."""
     user = acting_user.get()
-    return ("", ()) if user is None else (f" AND {alias}.user_id = {placeholder}", (user,))
+    return ("", {}) if user is None else (f" AND {alias}.user_id = :acting_user", {"acting_user": user})
 
 
 @dataclass(frozen=True)
@@ -113,13 +105,12 @@ def day_start(now: str) -> str:
     return now[:10] + "T00:00:00.000000+00:00"
 
 
-def steps_today(conn: Any, user: str, now: str) -> int:
+async def steps_today(tx: Any, user: str, now: str) -> int:
     """The graph steps the user's runs started today (UTC) have recorded (`runs.steps`, written
     with each run's outcome, or when a run a crash ended is relabelled)."""
-    row = conn.execute(_sql(conn, (
-        "SELECT coalesce(sum(r.steps), 0) AS steps FROM runs r JOIN conversations c ON c.id = r.conversation_id"
-        " WHERE c.user_id = ? AND r.started_at >= ?")), (user, day_start(now))).fetchone()
-    return int(row["steps"])
+    return int(await tx.value(
+        "SELECT coalesce(sum(r.steps), 0) FROM runs r JOIN conversations c ON c.id = r.conversation_id"
+        " WHERE c.user_id = :user AND r.started_at >= :day", {"user": user, "day": day_start(now)}))
 
 
 @dataclass(frozen=True)
@@ -138,7 +129,7 @@ class StepBudget:
                 "finishing; its progress is saved, and a resume carries on once the budget allows.")
 
 
-def step_budget(conn: Any, user: str | None, limits: Limits, recursion_limit: int, now: str) -> StepBudget:
+async def step_budget(storage: Any, user: str | None, limits: Limits, recursion_limit: int, now: str) -> StepBudget:
     """A run's step budget, counted as it starts: the recursion limit, or less for a user (their
     per-run budget, and what is left of their day's). Runs running side by side are each given
     what was left when they started, so a day's budget can be exceeded by the runs then in
@@ -148,13 +139,14 @@ def step_budget(conn: Any, user: str | None, limits: Limits, recursion_limit: in
         return budget
     if limits.steps_per_run < budget.steps:
         budget = StepBudget(limits.steps_per_run, "SOPHOS_LAB_USER_MAX_STEPS_PER_RUN", limits.steps_per_run)
-    left = limits.steps_per_day - steps_today(conn, user, now)
+    async with storage.reading() as tx:
+        left = limits.steps_per_day - await steps_today(tx, user, now)
     if left < budget.steps:
         budget = StepBudget(max(left, 1), "SOPHOS_LAB_USER_MAX_STEPS_PER_DAY", limits.steps_per_day)
     return budget
 
 
-def check_limits(conn: Any, status: str, limits: Limits, now: str) -> None:
+async def check_limits(tx: Any, status: str, limits: Limits, now: str) -> None:
     """Inside the transaction that starts a run (`status` `running`) or queues one (`queued`):
     `TOO_MANY_RUNS` if the acting user has as many as their limit already, `STEP_BUDGET_SPENT`
     if their runs have taken their day's steps. The user's row is locked first (PostgreSQL;
@@ -163,13 +155,12 @@ def check_limits(conn: Any, status: str, limits: Limits, now: str) -> None:
     user = acting_user.get()
     if user is None:
         return
-    postgres = not isinstance(conn, sqlite3.Connection)
-    conn.execute(_sql(conn, "SELECT 1 FROM users WHERE id = ?" + (" FOR UPDATE" if postgres else "")), (user,))
-    row = conn.execute(_sql(conn, (
+    await tx.execute("SELECT 1 FROM users WHERE id = :user{for_update}", {"user": user})
+    row = await tx.row(
         "SELECT count(*) FILTER (WHERE r.status = 'running') AS running,"
         " count(*) FILTER (WHERE r.status = 'queued') AS queued"
         " FROM runs r JOIN conversations c ON c.id = r.conversation_id"
-        " WHERE c.user_id = ? AND r.status IN ('running', 'queued')")), (user,)).fetchone()
+        " WHERE c.user_id = :user AND r.status IN ('running', 'queued')", {"user": user})
     limit, setting = ((limits.running, "SOPHOS_LAB_USER_MAX_RUNNING") if status == "running"
                       else (limits.queued, "SOPHOS_LAB_USER_MAX_QUEUED"))
     if row[status] >= limit:
@@ -177,7 +168,7 @@ def check_limits(conn: Any, status: str, limits: Limits, now: str) -> None:
         raise SophosError(errors.TOO_MANY_RUNS, (
             f"You have {runs} {status} already, the most one user may have at once on this server "
             f"({setting}={limit}); wait for one to end, or cancel one. Nothing was stored."))
-    spent = steps_today(conn, user, now)
+    spent = await steps_today(tx, user, now)
     if spent >= limits.steps_per_day:
         raise SophosError(errors.STEP_BUDGET_SPENT, (
             f"Your runs have taken {spent} steps today, this server's budget for one user "
@@ -185,11 +176,10 @@ def check_limits(conn: Any, status: str, limits: Limits, now: str) -> None:
             "Nothing was stored."))
 
 
-def owner_of(store: Any, conversation_id: str) -> str | None:
+async def owner_of(storage: Any, conversation_id: str) -> str | None:
     """The id of the user who owns the conversation (None: no user, or no such conversation)."""
-    row = store.conn.execute(_sql(store.conn, "SELECT user_id FROM conversations WHERE id = ?"),
-                             (conversation_id,)).fetchone()
-    return None if row is None else row["user_id"]
+    async with storage.reading() as tx:
+        return await tx.value("SELECT user_id FROM conversations WHERE id = :id", {"id": conversation_id})
 
 
 def scoped_key(key: str) -> str:
@@ -198,68 +188,71 @@ def scoped_key(key: str) -> str:
     return key if user is None else f"{user}/{key}"
 
 
-# the CLI's side: on a store (`Store` or `PostgresStore`), as the instructor
+# the CLI's side: on a storage (`storage.open_storage`), as the instructor
 
-def add_user(store: Any, name: str, now: str) -> tuple[User, str]:
+async def add_user(storage: Any, name: str, now: str) -> tuple[User, str]:
     """A new user and its token (shown once: only its hash is kept)."""
     name = check_name(name)
     token = secrets.token_urlsafe(32)
     user = User(str(uuid.uuid4()), name, now)
-    with store.transaction() as conn:
-        if conn.execute(_sql(conn, "SELECT 1 FROM users WHERE name = ?"), (name,)).fetchone() is not None:
+    async with storage.transaction() as tx:
+        if await tx.row("SELECT 1 FROM users WHERE name = :name", {"name": name}) is not None:
             raise SophosError(errors.BAD_REQUEST, f"There is a user {name!r} already; nothing was changed.")
-        conn.execute(_sql(conn, "INSERT INTO users (id, name, token_hash, created_at) VALUES (?, ?, ?, ?)"),
-                     (user.id, name, hash_token(token), now))
+        await tx.execute("INSERT INTO users (id, name, token_hash, created_at) VALUES (:id, :name, :hash, :now)",
+                         {"id": user.id, "name": name, "hash": hash_token(token), "now": now})
     return user, token
 
 
-def list_users(store: Any) -> list[tuple[User, int]]:
+async def list_users(storage: Any) -> list[tuple[User, int]]:
     """Every user, oldest first, with how many conversations each has."""
-    rows = store.conn.execute(
-        "SELECT u.id, u.name, u.created_at, u.revoked_at, (SELECT count(*) FROM conversations c"
-        " WHERE c.user_id = u.id) AS conversations FROM users u ORDER BY u.created_at, u.name").fetchall()
+    async with storage.reading() as tx:
+        rows = await tx.rows(
+            "SELECT u.id, u.name, u.created_at, u.revoked_at, (SELECT count(*) FROM conversations c"
+            " WHERE c.user_id = u.id) AS conversations FROM users u ORDER BY u.created_at, u.name")
     return [(_user(row), row["conversations"]) for row in rows]
 
 
-def find_user(store: Any, name: str) -> User:
-    row = store.conn.execute(_sql(store.conn, "SELECT * FROM users WHERE name = ?"), (check_name(name),)).fetchone()
+async def find_user(storage: Any, name: str) -> User:
+    async with storage.reading() as tx:
+        row = await tx.row("SELECT * FROM users WHERE name = :name", {"name": check_name(name)})
     if row is None:
         raise SophosError(errors.NOT_FOUND, f"No user {name!r}; `sophos-lab user list` shows who there is.")
     return _user(row)
 
 
-def revoke_user(store: Any, name: str, now: str) -> User:
+async def revoke_user(storage: Any, name: str, now: str) -> User:
     """The user's token stops working at once (its conversations stay; `delete_user` removes them)."""
-    user = find_user(store, name)
+    user = await find_user(storage, name)
     if not user.revoked:
-        with store.transaction() as conn:
-            conn.execute(_sql(conn, "UPDATE users SET revoked_at = ? WHERE id = ?"), (now, user.id))
-    return find_user(store, name)
+        async with storage.transaction() as tx:
+            await tx.execute("UPDATE users SET revoked_at = :now WHERE id = :id", {"now": now, "id": user.id})
+    return await find_user(storage, name)
 
 
-def user_conversations(store: Any, user: User) -> list[str]:
-    rows = store.conn.execute(_sql(store.conn, "SELECT id FROM conversations WHERE user_id = ? ORDER BY id"),
-                              (user.id,)).fetchall()
-    return [row["id"] for row in rows]
+async def user_conversations(storage: Any, user: User) -> list[str]:
+    async with storage.reading() as tx:
+        return [row[0] for row in await tx.tuples("SELECT id FROM conversations WHERE user_id = :id ORDER BY id",
+                                                  {"id": user.id})]
 
 
-def forget_user(store: Any, user: User) -> None:
+async def forget_user(storage: Any, user: User) -> None:
     """The user's row, once its conversations are gone (a conversation of theirs left refuses it)."""
-    with store.transaction() as conn:
-        if conn.execute(_sql(conn, "SELECT 1 FROM conversations WHERE user_id = ? LIMIT 1"), (user.id,)).fetchone():
+    async with storage.transaction() as tx:
+        if await tx.row("SELECT 1 FROM conversations WHERE user_id = :id LIMIT 1", {"id": user.id}):
             raise SophosError(errors.BAD_REQUEST, (
                 f"User {user.name!r} has a conversation again (started while it was deleted?); "
                 "run the delete again."))
-        conn.execute(_sql(conn, "DELETE FROM users WHERE id = ?"), (user.id,))
+        await tx.execute("DELETE FROM users WHERE id = :id", {"id": user.id})
 
 
 # the server's side
 
-def has_users(store: Any) -> bool:
-    return store.conn.execute("SELECT 1 FROM users LIMIT 1").fetchone() is not None
+async def has_users(storage: Any) -> bool:
+    async with storage.reading() as tx:
+        return await tx.row("SELECT 1 FROM users LIMIT 1") is not None
 
 
-def user_for_token(store: Any, token: str) -> User | None:
-    row = store.conn.execute(_sql(store.conn, "SELECT * FROM users WHERE token_hash = ?"),
-                             (hash_token(token),)).fetchone()
+async def user_for_token(storage: Any, token: str) -> User | None:
+    async with storage.reading() as tx:
+        row = await tx.row("SELECT * FROM users WHERE token_hash = :hash", {"hash": hash_token(token)})
     return None if row is None else _user(row)

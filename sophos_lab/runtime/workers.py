@@ -27,9 +27,10 @@ from dataclasses import replace
 
 import psycopg
 
-from .queue import CANCEL_CHANNEL, QUEUE_CHANNEL, STOPPED, EventWriter
+from .queue import STOPPED, EventWriter
 from .service import AgentService
 from .settings import Settings
+from .storage.postgres_queue import CANCEL_CHANNEL, QUEUE_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,7 @@ async def run_worker(settings: Settings, concurrency: int = 1, stop: asyncio.Eve
     stop_after = int(os.environ.get("SOPHOS_LAB_STOP_AFTER_EVENT") or 0)
     if point := os.environ.get("SOPHOS_LAB_STOP_AT"):
         service.at_point = _stop_once_at(point)
-    writer = EventWriter(service._saver_conn, service.store.owner.id, settings.event_buffer, service._saver.lock,
-                         stop_after)
+    writer = EventWriter(service._saver_conn, service.store.owner.id, settings.event_buffer, stop_after)
     listening = asyncio.create_task(_listen(settings.database_url, service, wake))
     print(f"{READY} owner={service.store.owner.id} pid={os.getpid()}", flush=True)
     try:
@@ -111,10 +111,10 @@ async def _look(service: AgentService) -> None:
     give up its own runs no task works on (a claim whose answer a database restart lost), and
     stop a run whose cancel this worker was not told of (its LISTEN was reconnecting)."""
     try:
-        await service._write(service.store.recover)
+        await service.store.recover()
         await service._write(service._give_up_strays)
         for run in list(service.active.values()):
-            if not run.cancel_requested and service.store.cancel_requested(run.id):
+            if not run.cancel_requested and await service.store.cancel_requested(run.id):
                 service.cancel_here(run.id)
     except Exception:
         log.warning("the worker's look at the queue failed; trying again", exc_info=True)
@@ -147,7 +147,8 @@ def worker_pool(workers: int, concurrency: int = 1) -> int:
     """Start `workers` worker processes and keep them running: one that dies has its runs
     relabelled at once (recovery, from here: its pid is dead) and is started again. SIGTERM is
     passed on to each; the pool exits 0 once they have all drained."""
-    from .postgres import PostgresStore
+    from .storage import postgres_storage
+    from .storage.blocking import Blocking
 
     settings = Settings.from_env()
     if not settings.database_url:
@@ -165,7 +166,8 @@ def worker_pool(workers: int, concurrency: int = 1) -> int:
     procs = [subprocess.Popen(command) for _ in range(workers)]
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, terminate)
-    store = PostgresStore(settings.database_url, lease_seconds=settings.lease_seconds, requeue_limit=settings.requeue_limit)
+    store = Blocking(lambda: postgres_storage(settings.database_url, lease_seconds=settings.lease_seconds,
+                                              requeue_limit=settings.requeue_limit))
     try:
         while True:
             pid, status = os.wait()
@@ -178,10 +180,7 @@ def worker_pool(workers: int, concurrency: int = 1) -> int:
                     return 0
                 continue
             try:
-                opens = store.opens
-                relabelled = store.recover()
-                if store.opens != opens:  # this look opened the store, and its sweep did the work
-                    relabelled += store.recovered_runs
+                relabelled = store.recover()  # the first look opens the store: its sweep's count
             except Exception as error:  # the others' next look relabels them instead
                 relabelled = f"none ({error})"
             print(f"worker pid {pid} exited ({procs[index].returncode}); {relabelled} run(s) relabelled; "

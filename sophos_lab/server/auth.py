@@ -62,7 +62,7 @@ class BearerToken:
             await self.app(scope, receive, send)
             return
         try:
-            user, refusal = self._who(scope)
+            user, refusal = await self._who(scope)
         except Exception as error:  # the users table cannot be read: who this is is not known
             if not errors.database_unavailable(error):
                 raise
@@ -78,7 +78,7 @@ class BearerToken:
         finally:
             users.acting_user.reset(acting)
 
-    def _who(self, scope: Scope) -> tuple[str | None, str | None]:
+    async def _who(self, scope: Scope) -> tuple[str | None, str | None]:
         """`(user id or None, None)` for a request allowed in, `(None, why not)` otherwise."""
         header = dict(scope["headers"]).get(b"authorization")
         in_query = self._query_token(scope)
@@ -95,7 +95,7 @@ class BearerToken:
         if given is None:
             if self.token is None and scope["path"] in PROBE_PATHS:
                 return None, None  # the probes touch nothing, the database included
-            if users.has_users(store):
+            if await users.has_users(store):
                 return None, ("This server has users: send Authorization: Bearer <your token> (the one "
                               "`sophos-lab user add NAME` printed).")
             if self.token is None:
@@ -103,7 +103,7 @@ class BearerToken:
             return None, "This server needs its token: send Authorization: Bearer <SOPHOS_LAB_TOKEN>."
         if self.token is not None and secrets.compare_digest(given, self.token):
             return None, None
-        user = users.user_for_token(store, given.decode("latin-1"))
+        user = await users.user_for_token(store, given.decode("latin-1"))
         if user is None:
             return None, f"The token in {where} is not this server's."
         if user.revoked:

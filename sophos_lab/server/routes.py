@@ -21,7 +21,7 @@ from ..runtime import errors, users
 from ..runtime.agent import check_model_async
 from ..runtime.errors import SophosError
 from ..runtime.service import AgentService, canonical_request, parse_conversation_id
-from ..runtime.store import PAGE_SIZE, IdempotencyKey
+from ..runtime.storage.models import PAGE_SIZE, IdempotencyKey
 from . import sse
 from .wire import (
     CONVERSATION_NOT_FOUND, FETCH_ERROR, INVALID_ID, LOAD_ERROR, PAYLOAD_TOO_LARGE,
@@ -87,9 +87,9 @@ def idempotency_key(request: Request) -> str | None:
     return key
 
 
-def repeat_of(service: AgentService, keyed: IdempotencyKey) -> JSONResponse | None:
+async def repeat_of(service: AgentService, keyed: IdempotencyKey) -> JSONResponse | None:
     """The first answer to a key that started a run already; None if it started none."""
-    first = service.keyed_run(keyed)
+    first = await service.keyed_run(keyed)
     if first is None:
         return None
     return JSONResponse({"conversation": first.conversation_id, "run": first.run_id},
@@ -117,21 +117,21 @@ async def start_chat(request: Request) -> Response:
             raise SophosError(errors.BAD_REQUEST, "A conversation is required to resume")
     else:
         conversation = conversation_id(conversation)
-    keyed = None
-    if key is not None:
-        keyed = IdempotencyKey(key, canonical_request(resume, message, conversation))
-        if (first := repeat_of(service, keyed)) is not None:
+    if key is None:
+        return started_response(await (service.resume(conversation) if resume else service.chat(message, conversation)))
+    keyed = IdempotencyKey(key, canonical_request(resume, message, conversation))
+    # One request with a key at a time here: a repeat that came while the first was starting
+    # its run answers as a repeat (another process's is told apart by the database).
+    async with service.requests_keyed(key):
+        if (first := await repeat_of(service, keyed)) is not None:
             return first
-    try:
-        if resume:
-            run = await service.resume(conversation, keyed)
-        else:
-            run = await service.chat(message, conversation, keyed)
-    except SophosError:
-        # A request with the same key may have started its run while this one was checked.
-        if keyed is not None and (first := repeat_of(service, keyed)) is not None:
-            return first
-        raise
+        try:
+            run = await (service.resume(conversation, keyed) if resume else service.chat(message, conversation, keyed))
+        except SophosError:
+            # A request with the same key may have started its run while this one was checked.
+            if (first := await repeat_of(service, keyed)) is not None:
+                return first
+            raise
     return started_response(run)
 
 
@@ -159,16 +159,16 @@ async def follow_chat(request: Request) -> Response:
                                                     "conversation": conversation}))
         run = service.active.get(conversation)
         if run is None and service.settings.on_workers:
-            run = service.run_to_follow(conversation, after)  # a worker's, from the events table
+            run = await service.run_to_follow(conversation, after)  # a worker's, from the events table
     if run is None:
-        latest = service.store.latest_run(conversation)
+        latest = await service.store.latest_run(conversation)
         if latest is not None and latest.status == "running":  # its owner, another process, is alive
             return stream(sse.single("chat-error", {
                 "code": errors.SESSION_IN_PROGRESS, "conversation": conversation, "run": latest.id,
                 "message": "The run is running in another process; follow it there."}))
         ended = {"conversation": conversation, "run": latest.id if latest else None,
                  "status": latest.status if latest else None}
-        if (gate := service.pending_approval(conversation)) is not None:
+        if (gate := await service.pending_approval(conversation)) is not None:
             ended["approval"] = {"gate": gate.id, "calls": gate.calls}
         return stream(sse.single("end", ended))
     return stream(sse.follow(run, after))
@@ -183,11 +183,10 @@ async def list_conversations(request: Request) -> Response:
         if paged:
             limit = query.get("limit", str(PAGE_SIZE))
             number = int(limit) if limit.isascii() and limit.isdigit() else limit  # "²".isdigit() too
-            page = service_of(request).conversation_page(number,
-                                                         query.get("cursor"))
+            page = await service_of(request).conversation_page(number, query.get("cursor"))
             return JSONResponse({"conversations": [conversation_summary(c) for c in page.conversations],
                                  "next_cursor": page.next_cursor})
-        conversations = service_of(request).list_conversations()
+        conversations = await service_of(request).list_conversations()
     except SophosError:
         raise
     except Exception as error:
@@ -232,7 +231,7 @@ async def list_runs(request: Request) -> Response:
     conversation = conversation_id(request.path_params["conversation"])
     service = service_of(request)
     await service.conversation_summary(conversation)
-    return JSONResponse({"runs": [run_dto(run) for run in service.list_runs(conversation)]})
+    return JSONResponse({"runs": [run_dto(run) for run in await service.list_runs(conversation)]})
 
 
 async def cancel_run(request: Request) -> Response:
@@ -291,7 +290,7 @@ async def readyz(request: Request) -> Response:
     while it is unavailable every route answers 503 `DATABASE_UNAVAILABLE`."""
     settings = service_of(request).settings
     if settings.database_url:
-        from ..runtime.postgres import unreachable
+        from ..runtime.storage.postgres import unreachable
 
         if (why := await unreachable(settings.database_url)) is not None:
             return JSONResponse({"status": "error", "code": errors.DATABASE_UNAVAILABLE,

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from ..runtime import errors
 from ..runtime.errors import SophosError
 from ..runtime.service import ConversationDetail
-from ..runtime.store import Conversation, Run
+from ..runtime.storage.models import Conversation, Run
 
 # Codes only the HTTP layer gives (the runtime's are in runtime/errors.py).
 UNAUTHORIZED = "UNAUTHORIZED"

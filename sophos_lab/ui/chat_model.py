@@ -567,7 +567,7 @@ class ServiceBackend:
         async def read() -> list[ConversationSummary]:
             return [
                 ConversationSummary(c.id, c.title, c.status, c.message_count)
-                for c in self.service.list_conversations()
+                for c in await self.service.list_conversations()
             ]
         return self._call(read())
 
@@ -683,7 +683,7 @@ class ChildBackend:
         return listed
 
     def _stranded_count(self, conversation_id: str, run_id: str, recorded: int) -> int:
-        from ..runtime.counting import shown_message_count
+        from ..runtime.storage.sqlite import shown_message_count
 
         if run_id not in self._stranded_counts:
             try:

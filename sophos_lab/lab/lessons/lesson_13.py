@@ -7,9 +7,9 @@ their checks, the lesson's own experiments and its picture.
     kit.test_cancel_then_crash(cancel_then_crash)  # the check of your first experiment
 
 The kill point (`KILL_POINT`) is this lesson's own: a `sitecustomize.py` that Python runs as a
-child starts, which wraps the kit's write of a cancel request (`Store.request_cancel`) and stops
-the child for good right after it, on the thread every write of the run goes through. A SIGKILL
-then lands between the request and the outcome.
+child starts, which wraps the kit's write of a cancel request (`Storage.request_cancel`) and
+stops the child for good right after it, on the thread of its event loop, which every write of
+the run goes through. A SIGKILL then lands between the request and the outcome.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ the child's PYTHONPATH). Once the child has written a cancel request, it stops t
 import threading
 
 from sophos_lab.lab.worker import emit_line
-from sophos_lab.runtime.store import Store
+from sophos_lab.runtime.storage.rules import Storage
 
-_request_cancel = Store.request_cancel
+_request_cancel = Storage.request_cancel
 
 
-def request_cancel(self, run_id):
-    accepted = _request_cancel(self, run_id)  # the kit's write of runs.cancel_requested_at, committed
+async def request_cancel(self, run_id):
+    accepted = await _request_cancel(self, run_id)  # the kit's write of runs.cancel_requested_at, committed
     if accepted:
         emit_line({"event": "cancel-stop", "data": {"run": run_id}})  # tell the lab
         # Wait forever, on the thread that runs the agent's event loop: every write of the run goes
@@ -49,7 +49,7 @@ def request_cancel(self, run_id):
     return accepted
 
 
-Store.request_cancel = request_cancel
+Storage.request_cancel = request_cancel
 '''
 """The kill point's source, as `CancelKit.setup` writes it to `kill_point/sitecustomize.py`."""
 
@@ -254,8 +254,8 @@ class CancelKit:
         assert status != "running", (
             "the run still says 'running' on disk: no process has opened the database since the kill "
             "(lab.peek_runs only reads; it never recovers anything). What the run becomes is decided by the "
-            "next process that opens the file: open it (lab.service().list_conversations(), or "
-            "start_child().conversations()) and return the status that process reports")
+            "next process that opens the file: open it (start_child().conversations()) and return the "
+            "status that process reports")
         if answer != status:
             # Not the row's status itself: that is a prediction's answer, revealed below the check.
             before = (" 'running' is what the file said before a process had opened it again."
@@ -339,11 +339,8 @@ class CancelKit:
             run = crashing.wait_for("cancel-stop")["data"]["run"]  # the request is committed; the child stopped
             code = crashing.kill()
             self.lab.model.release()
-            reopened = self.lab.service()        # a new process: its first look opens the database
-            try:
-                status = next(conv.status for conv in reopened.list_conversations() if conv.id == c)
-            finally:
-                reopened.store.close()
+            looker = self.start_child()          # a new process: its first look opens the database
+            status = next(conv["status"] for conv in looker.conversations() if conv["id"] == c)
         finally:
             self.tidy(started_before)
         return Crashed(c, run, status, code, by="the lesson")

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import pandas as pd
 
-from ...runtime.postgres import SCHEMA_VERSION
+from ...runtime.storage.postgres_schema import SCHEMA_VERSION
 from .. import postgres_server
 from ..inspect import sql
 from .lesson_08b import lease_picture  # the same picture as 08b's, one lane per server

@@ -16,7 +16,8 @@ import httpx
 import pandas as pd
 
 from ...runtime import users
-from ...runtime.service import open_store
+from ...runtime.storage import open_storage
+from ...runtime.storage.blocking import Blocking
 from ...runtime.tools import user_memory_path
 from ..children import LabServer, child_environment, sse_events
 from ..harness import Lab
@@ -100,11 +101,8 @@ def memory_files(lab: Lab, names: list[str], **env: str) -> dict[str, Path]:
     """Each user's memory file (by user name), on the database that `env` names: the file the
     memory server of a run on that user's conversation reads and writes."""
     settings = lab.settings(**env)
-    store = open_store(settings)
-    try:
-        ids = {name: users.find_user(store, name).id for name in names}
-    finally:
-        store.close()
+    with Blocking(lambda: open_storage(settings)) as store:
+        ids = {name: store.call(users.find_user, name).id for name in names}
     return {name: user_memory_path(settings, user) for name, user in ids.items()}
 
 

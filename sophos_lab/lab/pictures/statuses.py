@@ -1,7 +1,7 @@
 """The run-status state machine, with the transitions a lesson's runs took drawn in bold.
 
 Every run of the kit has one row in the `runs` table, and its `status` moves along a few fixed
-transitions (`RUN_STATUSES` in `sophos_lab/runtime/store.py`, plus `queued` on PostgreSQL with
+transitions (`RUN_STATUSES` in `sophos_lab/runtime/storage/models.py`, plus `queued` on PostgreSQL with
 workers):
 
 - a message accepted: the run is `running` where it was accepted, or `queued` until a worker
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...runtime.store import RUN_STATUSES
+from ...runtime.storage.models import RUN_STATUSES
 from . import Picture, picture
 
 STATUSES: tuple[str, ...] = ("queued", *RUN_STATUSES)

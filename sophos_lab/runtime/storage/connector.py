@@ -1,0 +1,79 @@
+"""The seam between the rules and a database: a connection's statements, awaited.
+
+The rules (`rules`) write their SQL once, with named parameters (`:run_id`) and a few named
+fragments in braces where the two dialects differ (`{seq}`: SQLite's `rowid`, PostgreSQL's
+`seq`); each backend (`sqlite`, `postgres`) fills them in and runs the statements on an async
+connection, so no call that waits on the database runs on the event loop's thread. A unique
+constraint that the rules decide by comes back as a neutral `Conflict`, whatever the driver
+called it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+Params = Mapping[str, Any] | None
+
+
+class Conflict(Exception):
+    """A row a unique constraint refused: `what` is `idempotency_key` (the key started a run
+    already) or `active_run` (the conversation has a running or queued run)."""
+
+    def __init__(self, what: str, error: BaseException) -> None:
+        super().__init__(f"{what}: {error}")
+        self.what = what
+
+
+class Dialect:
+    """A backend's fragments, and its SQL from the rules' SQL (cached: the rules send few kinds)."""
+
+    def __init__(self, name: str, fragments: Mapping[str, str], pyformat: bool) -> None:
+        self.name = name
+        self.fragments = dict(fragments)
+        self.pyformat = pyformat
+        """psycopg's `%(name)s` parameters instead of SQLite's `:name`."""
+        self._prepared: dict[str, str] = {}
+
+    def prepare(self, sql: str) -> str:
+        prepared = self._prepared.get(sql)
+        if prepared is None:
+            prepared = sql.format_map(self.fragments) if "{" in sql else sql
+            if self.pyformat:
+                prepared = _NAMED.sub(r"%(\1)s", prepared.replace("%", "%%"))
+            self._prepared[sql] = prepared
+        return prepared
+
+
+_NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+"""A named parameter: `:name`, not a cast (`::jsonb`)."""
+
+
+class Tx:
+    """One connection's statements: inside a transaction (`Connector.transaction`), or reads.
+
+    Rows come back as dicts by column name (`rows`, `row`) or as tuples (`tuples`, for lists
+    built by position); `execute` returns how many rows a statement changed."""
+
+    dialect: Dialect
+
+    async def execute(self, sql: str, params: Params = None) -> int:
+        raise NotImplementedError
+
+    async def rows(self, sql: str, params: Params = None) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    async def tuples(self, sql: str, params: Params = None) -> list[tuple]:
+        raise NotImplementedError
+
+    async def row(self, sql: str, params: Params = None) -> dict[str, Any] | None:
+        rows = await self.rows(sql, params)
+        return rows[0] if rows else None
+
+    async def value(self, sql: str, params: Params = None) -> Any:
+        rows = await self.tuples(sql, params)
+        return rows[0][0] if rows else None
+
+    async def has_table(self, name: str) -> bool:
+        raise NotImplementedError
