@@ -8,9 +8,9 @@ from importlib import import_module
 
 # Imported on first use, so a child process that needs only the runtime does not load pandas.
 _EXPORTS = {
-    "ActiveRun": "runtime.service",
+    "ActiveRun": "runtime.active",
     "AgentService": "runtime.service",
-    "ConversationDetail": "runtime.service",
+    "ConversationDetail": "runtime.reading",
     "Lab": "lab.harness",
     "Settings": "runtime.settings",
     "SophosError": "runtime.errors",

@@ -17,7 +17,7 @@ from sophos_lab.runtime.agent import check_config, read_system_prompt
 from sophos_lab.runtime.errors import (
     AGENT_FAILURE, BAD_REQUEST, CONFIG_ERROR, NOT_FOUND, RUN_NOT_RESUMABLE, SCHEMA_TOO_NEW, SophosError,
 )
-from sophos_lab.runtime.service import parse_conversation_id
+from sophos_lab.runtime.requests import parse_conversation_id
 from sophos_lab.runtime.storage.models import ListingPosition, encode_cursor
 from sophos_lab.runtime.tools import load_mcp_config
 from test_server import refusal as envelope

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from sophos_lab.lab import inspect as views
 from sophos_lab.runtime.errors import BAD_REQUEST, CONFIG_ERROR, SophosError
-from sophos_lab.runtime.service import AgentService, parse_conversation_id
+from sophos_lab.runtime.requests import parse_conversation_id
+from sophos_lab.runtime.service import AgentService
 from sophos_lab.runtime.tools import ServerConfig, load_mcp_config
 
 FAST = settings(max_examples=200, deadline=None)

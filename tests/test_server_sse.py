@@ -20,7 +20,7 @@ import pytest
 from conftest import BACKENDS, database_env
 
 from sophos_lab.runtime.errors import REPLAY_GONE, SophosError
-from sophos_lab.runtime.service import ActiveRun
+from sophos_lab.runtime.active import ActiveRun
 
 BUFFER = 60
 PING = b'event: ping\ndata: ""\n\n'

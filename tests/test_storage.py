@@ -38,7 +38,7 @@ from sophos_lab.runtime.agent import (
     SNAPSHOT_FREQUENCY, AgentParts, add_message_batches, build_graph, chat_model, read_system_prompt,
 )
 from sophos_lab.runtime.messages import message_dtos
-from sophos_lab.runtime.service import thread_config
+from sophos_lab.runtime.agent import thread_config
 from sophos_lab.runtime.storage import sqlite_storage
 from sophos_lab.runtime.tools import McpTools
 

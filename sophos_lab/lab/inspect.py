@@ -23,7 +23,8 @@ import pandas as pd
 from ..runtime.export import checkpoint_record
 from ..runtime.messages import message_dtos, pending_dtos
 from ..runtime.progress import is_resumable, work_left
-from ..runtime.service import parse_conversation_id, thread_config
+from ..runtime.agent import thread_config
+from ..runtime.requests import parse_conversation_id
 from ..runtime.storage.models import unapplied_input
 from ..runtime.storage.sqlite import has_table, read_only
 

@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from ..runtime.errors import SophosError
 
 if TYPE_CHECKING:  # the runtime is imported by `load_runtime`, not with this module
-    from ..runtime.service import ActiveRun, AgentService
+    from ..runtime.active import ActiveRun
+    from ..runtime.service import AgentService
     from ..runtime.settings import Settings
 
 EVENT_PREFIX = "@@sophos "

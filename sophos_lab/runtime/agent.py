@@ -381,6 +381,11 @@ def classify_failure(error: BaseException, gave_up: StepFailure | None, settings
     return errors.AGENT_FAILURE, f"The tools step failed {tries}: {what}"
 
 
+def thread_config(conversation_id: str) -> dict[str, Any]:
+    """LangGraph's config of a conversation's thread."""
+    return {"configurable": {"thread_id": conversation_id}}
+
+
 def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver, *, schema: type = AgentState,
                 settings: Settings | None = None):
     """Compile the graph. With `parts=None` the graph can only be read, not run.

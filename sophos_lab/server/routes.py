@@ -20,7 +20,8 @@ from starlette.routing import Route
 from ..runtime import errors, users
 from ..runtime.agent import check_model_async
 from ..runtime.errors import SophosError
-from ..runtime.service import AgentService, canonical_request, parse_conversation_id
+from ..runtime.requests import canonical_request, parse_conversation_id
+from ..runtime.service import AgentService
 from ..runtime.storage.models import PAGE_SIZE, IdempotencyKey
 from . import sse
 from .wire import (

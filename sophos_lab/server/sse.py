@@ -20,7 +20,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from ..runtime import errors
 from ..runtime.errors import SophosError
-from ..runtime.service import ActiveRun
+from ..runtime.active import ActiveRun
 from .wire import event_json
 
 HEADERS = {

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse
 
 from ..runtime import errors
 from ..runtime.errors import SophosError
-from ..runtime.service import ConversationDetail
+from ..runtime.reading import ConversationDetail
 from ..runtime.storage.models import Conversation, Run
 
 # Codes only the HTTP layer gives (the runtime's are in runtime/errors.py).
