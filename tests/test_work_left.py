@@ -17,7 +17,7 @@ from conftest import kill_points, roles, transcript as plain
 from sophos_lab.lab import inspect as views
 from sophos_lab.runtime.errors import RUN_NOT_ACTIVE, SophosError
 from sophos_lab.server.wire import conversation_detail
-from sophos_lab.ui.chat_model import ChildBackend
+from sophos_lab.ui.backends import ChildBackend
 
 
 def answered(detail) -> bool:

@@ -26,13 +26,12 @@ from typing import Any
 
 import ipywidgets as w
 
+from .backends import ChildBackend, ServiceBackend
 from .chat_model import (
     ChatBackend,
     ChatViewModel,
-    ChildBackend,
     ErrorBanner,
     PendingApproval,
-    ServiceBackend,
     TranscriptItem,
 )
 
