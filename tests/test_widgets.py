@@ -12,7 +12,7 @@ import pytest
 from sophos_lab.lab import inspect as views
 from sophos_lab.ui.chat_model import CHILD_EXITED, ChatViewModel
 from sophos_lab.lab.harness import Lab, dead_port_url
-from sophos_lab.standins.scripted_model import tokenize
+from sophos_lab.standins.scripts import tokenize
 from sophos_lab.ui.widgets import ChatWidget
 
 SUMMARISE = "Fetch {url} and summarize it in 12 detailed bullet points."
