@@ -14,11 +14,6 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "sophos_lab"
 MAX_LINES = 600
 
-KNOWN_CIRCLES: list[set[str]] = []
-"""Circles there were when this test came (issue 34); each goes as it is cut."""
-
-KNOWN_LONG: set[str] = set()
-"""Modules over `MAX_LINES` when this test came (issue 34); each goes as it is split."""
 
 
 def modules() -> dict[str, Path]:
@@ -88,9 +83,7 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
 def test_no_module_of_the_package_imports_itself_back() -> None:
     known = modules()
     graph = {name: imports(name, path, known) for name, path in known.items()}
-    found = circles(graph)
-    assert [group for group in found if group not in KNOWN_CIRCLES] == [], "new import circles"
-    assert [group for group in KNOWN_CIRCLES if group not in found] == [], "a circle is gone: drop it from KNOWN_CIRCLES"
+    assert circles(graph) == []
 
 
 def test_the_circle_finder_finds_a_circle_through_a_function_level_import(tmp_path) -> None:
@@ -105,15 +98,8 @@ def test_the_circle_finder_finds_a_circle_through_a_function_level_import(tmp_pa
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda path: str(path.relative_to(PACKAGE)))
 def test_a_module_reads_in_one_sitting(path: Path) -> None:
     lines = len(path.read_text(encoding="utf-8").splitlines())
-    name = str(path.relative_to(PACKAGE))
-    if name in KNOWN_LONG:
-        assert lines > MAX_LINES, f"{name} is {lines} lines now: drop it from KNOWN_LONG"
-    else:
-        assert lines <= MAX_LINES, f"{name} is {lines} lines, over {MAX_LINES}"
+    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} is {lines} lines, over {MAX_LINES}"
 
-
-KNOWN_COPIES: set[frozenset[str]] = set()
-"""Pairs of modules that shared identical lines when this test came (issue 34)."""
 
 
 def test_no_two_places_in_the_package_share_identical_lines() -> None:
@@ -127,8 +113,5 @@ def test_no_two_places_in_the_package_share_identical_lines() -> None:
     report = subprocess.run(["duplicates", "--repo", str(PACKAGE), "--most", "200", "--seconds", "120"],
                             capture_output=True, text=True, timeout=180).stdout
     assert "incomplete:" not in report, report
-    identical = [line for line in report.splitlines()
-                 if line.startswith("D") and " shape" not in line]
-    pairs = {frozenset(place.split(":")[0] for place in line.split()[1:4:2]) for line in identical}
-    assert pairs - KNOWN_COPIES == set(), "\n".join(identical)
-    assert KNOWN_COPIES - pairs == set(), "a pair is gone: drop it from KNOWN_COPIES"
+    identical = [line for line in report.splitlines() if line.startswith("D") and " shape" not in line]
+    assert identical == [], "\n".join(identical)
