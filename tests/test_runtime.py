@@ -5,6 +5,7 @@ process: its store, its checkpointer and its MCP servers open on first use.
 """
 
 import asyncio
+import json
 
 import pytest
 from conftest import roles, statuses
@@ -267,6 +268,21 @@ async def test_the_outcome_is_on_disk_before_the_end_event(open_service, db_path
                 on_disk = list(peek_runs(db_path, run.conversation)["status"])
 
     assert on_disk == ["completed"]
+
+
+async def test_the_accepted_message_is_stored_once_its_run_has_written_it_to_the_thread(open_service, db_path):
+    text = "Remember the word heliotrope"
+    async with open_service() as agent:
+        conversation = (await agent.ask(text)).data["conversation"]
+        [user, _] = (await agent.get_conversation(conversation)).messages
+        [run] = await agent.list_runs(conversation)
+    [row] = peek_runs(db_path, conversation).itertuples()
+
+    assert user["content"] == text
+    # The row keeps the message's id; its text is in the thread, and only there.
+    assert json.loads(row.input) == [{"id": user["id"]}]
+    # Asked for, the run still names what it carried, its text read back from the thread.
+    assert json.loads(run.input) == [{"id": user["id"], "content": text}]
 
 
 async def test_concurrent_first_use_opens_one_saver_and_closing_releases_the_file(open_service, db_path):

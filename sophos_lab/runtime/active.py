@@ -50,6 +50,8 @@ class ActiveRun:
     """When this process took the run on."""
     overdue: bool = False
     """Stopped for running longer than its steps can take (`AgentService.overdue_seconds`)."""
+    input_ids: str | None = None
+    """`runs.input` once the thread holds the run's messages (`models.carried_ids`); None: a resume."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)
 
     def publish(self, name: str, data: Any) -> Event:

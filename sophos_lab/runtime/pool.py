@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from .active import ActiveRun
 from .agent import thread_config
 from .checkpointer import DurableWrite
 from .events import Event
-from .storage.models import Gate, IdempotencyKey, Run
+from .storage.models import Gate, IdempotencyKey, Run, carried_ids
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ class Pool:
             if row is None:
                 return None
             run = ActiveRun(id=row.id, conversation=row.conversation_id, resume=row.input is None,
-                            keep=self.settings.event_buffer, sink=sink)
+                            keep=self.settings.event_buffer, sink=sink,
+                            input_ids=carried_ids(json.loads(row.input) if row.input else None))
             self.active[row.conversation_id] = run
             return run, row
 

@@ -3,7 +3,8 @@ and its history. Part of `AgentService` (`service`), whose store and graph it re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import errors, users
@@ -58,7 +59,15 @@ class Reading:
             if users.acting_user.get() is not None:
                 raise SophosError(errors.BAD_REQUEST, "A user lists the runs of one conversation of theirs at a time.")
             return await self.store.list_runs(None)
-        return await self.store.list_runs(await self._owned(conversation))
+        conversation_id = await self._owned(conversation)
+        runs = await self.store.list_runs(conversation_id)
+        if not any(run.input and '"content"' not in run.input for run in runs):
+            return runs
+        # A finished run's row keeps its messages' ids; their text is in the thread, stored once.
+        state = await (await self._graph_ready()).aget_state(thread_config(conversation_id))
+        text = {m["id"]: m["content"] for m in message_dtos(state.values.get("messages", []))}
+        return [replace(run, input=json.dumps([{**m, "content": text.get(m["id"])} for m in json.loads(run.input)],
+                                              ensure_ascii=False)) if run.input else run for run in runs]
 
     async def conversation_summary(self, conversation: str) -> Conversation:
         """The conversation's row, once a dead owner's run on it is recovered; no thread read."""

@@ -50,7 +50,7 @@ from .reading import Reading
 from .requests import canonical_request, parse_conversation_id, parse_message
 from .settings import Settings
 from .storage import open_storage
-from .storage.models import Conversation, Gate, IdempotencyKey, unapplied_input, utc_now
+from .storage.models import Conversation, Gate, IdempotencyKey, carried_ids, unapplied_input, utc_now
 from .tools import McpTools, approval_rule, mcp_servers
 
 log = logging.getLogger(__name__)
@@ -361,7 +361,7 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         if self.settings.on_workers:
             return await self._queue(conversation_id, messages, resume, title, idempotency, decision)
         run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume,
-                        keep=self.settings.event_buffer)
+                        keep=self.settings.event_buffer, input_ids=carried_ids(messages))
 
         async def start() -> None:
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
@@ -502,13 +502,14 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
             nonlocal status, error, stopped_at
             if run.cancel_requested:  # written before this, under the same lock: it wins
                 status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
+            input_ids = run.input_ids if gate.saved_step is not None else None  # the thread holds them
             recorded = await self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at,
-                                                   steps=steps)
+                                                   steps=steps, input_ids=input_ids)
             if not recorded and not run.cancel_requested and await self.store.cancel_requested(run.id):
                 # Another process recorded a cancel of this run before this outcome.
                 run.cancel_requested = True
                 status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
-                recorded = await self.store.finish_run(run.id, status, count, *error, gate=None, steps=steps)
+                recorded = await self.store.finish_run(run.id, status, count, *error, steps=steps, input_ids=input_ids)
             if not recorded and attempts > 1:
                 recorded = await self._recorded_already(run.id, status, error)
             run.recorded = True

@@ -111,7 +111,9 @@ class Run:
     finished_at: str | None
     owner_id: str | None = None
     input: str | None = None
-    """The user's messages this run adds to the thread, as JSON `[{"id", "content"}]`."""
+    """The user's messages this run adds to the thread, as JSON `[{"id", "content"}]`; once the
+    thread's checkpoint holds them (the run's outcome written after its first checkpoint), only
+    their ids, `[{"id"}]`: the text is stored once, in the thread (`carried_ids`)."""
     cancel_requested_at: str | None = None
     """When `cancel()` was accepted for this run (None: never asked to stop)."""
     claimed_at: str | None = None
@@ -177,6 +179,16 @@ def unapplied_input(run_id: str, run_input: str | None, checkpoint_run_id: str |
     if not run_input or checkpoint_run_id == run_id:
         return []
     return json.loads(run_input)
+
+
+def carried_ids(messages: list[dict[str, str]] | None) -> str | None:
+    """What `runs.input` keeps once the thread's checkpoint holds the run's messages: each one's
+    id and role, not its text, so an accepted message is stored once (in the checkpoint) after
+    the run has written it there. None for a resume, which carries no message."""
+    if not messages:
+        return None
+    return json.dumps([{key: message[key] for key in ("id", "role") if key in message} for message in messages],
+                      ensure_ascii=False)
 
 
 def utc_now() -> str:

@@ -465,9 +465,12 @@ class Storage:
                 raise SophosError(GATE_DECIDED, f"The gate {gate.id} was decided already")
 
     async def finish_run(self, run_id: str, status: str, message_count: int | None, error_code: str | None = None,
-                         error_message: str | None = None, gate: Gate | None = None, steps: int = 0) -> bool:
+                         error_message: str | None = None, gate: Gate | None = None, steps: int = 0,
+                         input_ids: str | None = None) -> bool:
         """Record a run's outcome, the graph steps it took and the conversation's message count,
         in one transaction; with `gate` (a `waiting` run), the gate it stopped at, in the same one.
+        With `input_ids` (`models.carried_ids`, once the thread's checkpoint holds the run's
+        messages), `runs.input` keeps only their ids and roles: the text is stored once.
 
         Only while the run is still this owner's and `running` (fencing), and not over a cancel
         another process recorded first (a worker's run): that one wins, and the caller records
@@ -475,13 +478,15 @@ class Storage:
         """
         now = utc_now()
         mine = "" if self.single_owner else " AND status = 'running' AND owner_id = :me"
+        if self.single_owner:  # another process may fork the thread past this run: keep the text
+            input_ids = None
         async with self.transaction() as tx:
             updated = await tx.execute(
                 "UPDATE runs SET status = :status, error_code = :code, error_message = :message, finished_at = :now,"
-                " steps = steps + :steps WHERE id = :run_id" + mine
+                " steps = steps + :steps, input = coalesce(:input_ids, input) WHERE id = :run_id" + mine
                 + " AND (cancel_requested_at IS NULL OR :status = 'cancelled')",
                 {"status": status, "code": error_code, "message": error_message, "now": now, "steps": steps,
-                 "run_id": run_id, "me": self.owner.id})
+                 "input_ids": input_ids, "run_id": run_id, "me": self.owner.id})
             if updated and message_count is not None:
                 await tx.execute("UPDATE conversations SET message_count = :count, updated_at = :now"
                                  " WHERE id = (SELECT conversation_id FROM runs WHERE id = :run_id)",
