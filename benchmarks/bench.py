@@ -2,13 +2,16 @@
 
 Each module of this folder named in BENCHMARKS exposes `rows(quick: bool = False) -> list[dict]`
 with the keys `benchmark`, `measure`, `unit` and the figures of each repeat: `kit_runs` and
-`bare_runs` (lists of floats; `bare_runs` empty or missing where bare LangGraph has no
-counterpart), or `kit` / `bare` alone for a figure that is computed, not measured (`computed`:
-True). The table shows the median of each side, the ratio of the medians (kit / bare, from
-figures measured in the same run) and, after each measure, the spread: `[n=7: kit min-max, bare
-min-max, ratio min-max]`, the ratio's over the repeats that ran side by side (a module gives both
-sides' runs in the same order, one pair per repeat). A module that is missing is skipped with a
-note; one that fails stops the run.
+`bare_runs` (lists of floats, the same length, one pair per repeat run side by side). The anchor
+(the "bare" column) is the strongest thing a user could pick instead of the kit doing the same
+work; the module's `BARE` names it, and a row whose anchor differs says so in its measure. The
+table shows the median of each side, the ratio of the medians (kit / bare) and, after each
+measure, the spread: `[n=7: kit min-max, bare min-max, ratio min-max]`, the ratio's over the
+pairs. Every row of the table is measured, both sides, with n >= 3 (`--quick` aside).
+
+What has no anchor or is not measured (a computed expectation, the size of an input) is not a
+row: a module returns it as `note(benchmark, text)`, printed apart after the table under its
+own heading. A module that is missing is skipped with a note; one that fails stops the run.
 
     python benchmarks/bench.py [--quick] [--only listing,startup]
 """
@@ -21,6 +24,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,6 +32,18 @@ sys.path.insert(0, str(HERE))
 
 BENCHMARKS = ("steps", "growth", "listing", "startup", "sse", "retries", "postgres", "workers")
 COLUMNS = ("benchmark", "measure", "kit", "bare LangGraph", "ratio", "unit")
+
+
+def note(benchmark: str, text: str) -> dict:
+    """A line printed apart from the table (no anchor, or not measured): see the module's doc."""
+    return {"benchmark": benchmark, "note": text}
+
+
+def spread_of(values: list[float], unit: str = "") -> str:
+    """`median unit (n=..., min-max)` of a list of figures, for a note."""
+    median = statistics.median(values)
+    low, high = min(values), max(values)
+    return f"{figure(median)}{unit} (n={len(values)}: {figure(low)}-{figure(high)}{unit})"
 
 
 def complete(row: dict) -> dict:
@@ -44,6 +60,22 @@ def complete(row: dict) -> dict:
     return row
 
 
+MIN_REPEATS = 3
+
+
+def check(row: dict, quick: bool = False) -> None:
+    """A row of the table is measured on both sides, in pairs, n >= MIN_REPEATS (not in a quick
+    run, whose figures are a smoke test); anything else is a module's mistake."""
+    kit, bare = row.get("kit_runs") or [], row.get("bare_runs") or []
+    where = f"{row['benchmark']}: {row['measure']!r}"
+    if not kit or not bare:
+        raise ValueError(f"{where} has no anchor: a row needs both sides' runs (or make it a note)")
+    if len(kit) != len(bare):
+        raise ValueError(f"{where}: {len(kit)} kit runs against {len(bare)} bare runs (they go in pairs)")
+    if not quick and len(kit) < MIN_REPEATS:
+        raise ValueError(f"{where}: n={len(kit)}, fewer than {MIN_REPEATS}")
+
+
 def ratio(row: dict) -> float | None:
     kit, bare = row.get("kit"), row.get("bare")
     if kit is None or not bare:
@@ -53,9 +85,7 @@ def ratio(row: dict) -> float | None:
 
 def spread(row: dict) -> str:
     """What follows the measure: the number of repeats and the min-max of each side (and of the
-    ratio, over the pairs), or `[computed]` for a figure that was not measured."""
-    if row.get("computed"):
-        return " [computed]"
+    ratio, over the pairs)."""
     kit, bare = row.get("kit_runs") or [], row.get("bare_runs") or []
     if not kit:
         return ""
@@ -142,15 +172,22 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown benchmark {', '.join(unknown)} (known: {', '.join(BENCHMARKS)})")
 
-    rows, notes = [], []
+    rows, notes, apart = [], [], []
     load_before = load()
     for name in chosen:
         if not (HERE / f"{name}.py").exists():
             notes.append(f"{name}: skipped (benchmarks/{name}.py is not there)")
             continue
         print(f"running {name}{' (quick)' if args.quick else ''} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         module = importlib.import_module(name)
-        rows += module.rows(quick=args.quick)
+        for row in module.rows(quick=args.quick):
+            if "note" in row:
+                apart.append(row)
+            else:
+                check(row, args.quick)
+                rows.append(row)
+        print(f"  {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         if getattr(module, "BARE", None):
             notes.append(f"{name}: bare = {module.BARE}")
 
@@ -162,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     if notes:
         print()
         print("\n".join(notes))
+    if apart:
+        print()
+        print("Printed apart (not rows: no anchor, or not measured):")
+        print("\n".join(f"- {row['benchmark']}: {row['note']}" for row in apart))
     return 0
 
 

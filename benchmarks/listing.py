@@ -1,22 +1,24 @@
 """Listing conversations at scale: 10,000 conversations with 3 runs each.
 
-Two anchors, each on a copy of the same file (the same rows, written through the kit's schema)
-with the indexes it had: `runs_by_conversation (conversation_id, started_at)` and no index on
-`updated_at` (the original's one index, which schema version 2 still had):
+The anchor is the original's own listing (`SUMMARY_SELECT` and `listConversations` in its
+persistence/conversations.ts): each conversation joined with its latest run, found by
+`ORDER BY started_at DESC, rowid DESC LIMIT 1` off its one index `runs_by_conversation
+(conversation_id, started_at)`, joined by the run's id, sorted by `updated_at DESC`; on a copy of
+the same file (the same rows, written through the kit's schema) with the original's index in
+place of the kit's, and rows in the original's own shape: one object per row keyed by column
+name (better-sqlite3's default row; here a dict per row, built from the cursor's tuples), no
+class of its own. The original had no pages: a page is its query with `LIMIT 50 OFFSET n`, the
+only way that query pages.
 
-- the pages: the kit's `AgentService.conversation_page` (keyset pagination, schema version 4's
-  indexes) against schema version 2's listing query (a correlated subquery per row, a sort of
-  every conversation), paged the only way that query can be (LIMIT / OFFSET);
-- the whole list: the kit's `AgentService.list_conversations()` against the original's own
-  summary query: each conversation joined with its latest run, found by `ORDER BY started_at
-  DESC, rowid DESC LIMIT 1` off its index, joined by the run's id, sorted by `updated_at DESC`.
+- the pages: the kit's `AgentService.conversation_page` (keyset pagination off its indexes)
+  against the original's query with LIMIT / OFFSET: the first page and page 100;
+- the whole list: the kit's `AgentService.list_conversations()` against the original's query.
 
-Both sides return the same thing: a list of `Conversation` dataclasses, in the same order (checked
-before anything is timed). The anchors build each one with the dataclass's own constructor,
-`Conversation(*row)` from a tuple row (as the original built one object per row, `toSummary`);
-the kit's `list_conversations()` includes what the service does before it reads (the recovery
-check). The calls alternate, kit and anchor, so drift on the machine hits both alike; each
-figure is the median of REPEAT calls on a warm cache, and the spread is printed with it.
+Both sides return the same conversations with the same fields in the same order (checked before
+anything is timed): the kit's as `Conversation` objects, the anchor's as dicts. The kit's
+figures include what the service does before it reads (the recovery check). The calls
+alternate, kit and anchor, so drift on the machine hits both alike; each figure is the median
+of REPEAT calls on a warm cache, and the spread is printed with it.
 
     python benchmarks/listing.py [--quick]    # the rows, and where the whole list's time goes
 """
@@ -31,6 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import astuple
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -41,32 +44,20 @@ from sophos_lab.runtime.service import AgentService  # noqa: E402
 from sophos_lab.runtime.settings import Settings  # noqa: E402
 from sophos_lab.runtime.storage import sqlite_storage  # noqa: E402
 from sophos_lab.runtime.storage.blocking import Blocking  # noqa: E402
-from sophos_lab.runtime.storage.models import Conversation  # noqa: E402
 
 CONVERSATIONS = 10_000
 RUNS_EACH = 3
 PAGE = 50
 REPEAT = 21
 BARE = (
-    "schema version 2's listing query (a subquery per row, a full sort; paged with LIMIT / OFFSET) "
-    "for the pages; for all conversations, the original's own summary query (the latest run by "
-    "started_at DESC, rowid DESC off its index (conversation_id, started_at), sorted by updated_at); "
-    "both on a copy of the same file with those indexes, each row a Conversation built by its "
-    "constructor from a tuple; both sides return the same list of Conversation objects"
+    "the original's own summary query (each conversation's latest run by started_at DESC, rowid DESC off its "
+    "index (conversation_id, started_at), joined by the run's id, sorted by updated_at DESC), paged the only way "
+    "it can be (LIMIT / OFFSET); on a copy of the same file with the original's index; its rows in the original's "
+    "shape, a dict per row keyed by column; both sides return the same conversations in the same order"
 )
 LATER_PAGE = 100
 """The page number of the "later page" figure (rows 4,951 to 5,000 of 10,000)."""
 
-# Schema version 2's listing, as it was: the latest run found by a subquery per conversation,
-# on an index of (conversation_id, started_at), and every conversation sorted by updated_at.
-OLD_LISTING = """
-SELECT c.id, c.title, c.created_at, c.updated_at, c.message_count,
-       r.status, r.error_code, r.error_message
-FROM conversations c
-LEFT JOIN runs r ON r.rowid = (
-    SELECT rowid FROM runs WHERE conversation_id = c.id ORDER BY rowid DESC LIMIT 1
-)
-ORDER BY c.updated_at DESC, c.rowid DESC"""
 # The original's summary query (`SUMMARY_SELECT` and `listConversations` in its
 # persistence/conversations.ts): the latest run by start time, off its index of
 # (conversation_id, started_at), joined by the run's id; the list sorted by updated_at.
@@ -78,7 +69,7 @@ LEFT JOIN runs r ON r.id = (
     SELECT id FROM runs WHERE conversation_id = c.id ORDER BY started_at DESC, rowid DESC LIMIT 1
 )
 ORDER BY c.updated_at DESC"""
-# The original's index (and schema version 2's), in place of schema version 4's.
+# The original's index, in place of the kit's.
 OLD_INDEXES = """
 DROP INDEX conversations_by_recency;
 DROP INDEX runs_by_conversation;
@@ -127,9 +118,20 @@ def paired_ms(kit, bare, repeat: int) -> tuple[list[float], list[float]]:
     return times[kit], times[bare]
 
 
+def dict_rows(cursor) -> list[dict]:
+    """The original's row shape: one dict per row, keyed by column name."""
+    names = [column[0] for column in cursor.description]
+    return [dict(zip(names, row)) for row in cursor]
+
+
 def anchor(conn: sqlite3.Connection, sql: str):
-    """The anchor's call: the query's tuple rows, each a Conversation by its constructor."""
-    return lambda: [Conversation(*row) for row in conn.execute(sql)]
+    """The anchor's call: the original's query, its rows as dicts."""
+    return lambda: dict_rows(conn.execute(sql))
+
+
+def same(conversations, rows: list[dict]) -> bool:
+    """The kit's `Conversation`s and the anchor's dicts hold the same fields, in the same order."""
+    return [astuple(c) for c in conversations] == [tuple(row.values()) for row in rows]
 
 
 class Files:
@@ -139,7 +141,7 @@ class Files:
         kit_db, old_db = folder / "kit.db", folder / "old.db"
         fill(kit_db, conversations)
         shutil.copy(kit_db, old_db)
-        self.old = sqlite3.connect(old_db)  # tuple rows
+        self.old = sqlite3.connect(old_db)  # tuple rows, made dicts by `dict_rows`
         self.old.executescript(OLD_INDEXES)
         self.loop = asyncio.new_event_loop()  # the kit's calls are awaited, as a server awaits them
         self.service = self.loop.run_until_complete(_service(kit_db))
@@ -172,20 +174,23 @@ def rows(quick: bool = False) -> list[dict]:
                 cursor = kit(lambda: service.conversation_page(PAGE, cursor))().next_cursor
 
             def old_page(offset: int):
-                return anchor(old, f"{OLD_LISTING} LIMIT {PAGE} OFFSET {offset}")
+                return anchor(old, f"{ORIGINAL_LISTING} LIMIT {PAGE} OFFSET {offset}")
 
             # Like with like: the same conversations, the same fields, the same order.
-            if kit(service.list_conversations)() != anchor(old, ORIGINAL_LISTING)():
+            if not same(kit(service.list_conversations)(), anchor(old, ORIGINAL_LISTING)()):
                 raise RuntimeError("the kit's list_conversations() and the original's query disagree")
-            if kit(lambda: service.conversation_page(PAGE, cursor))().conversations != old_page((later - 1) * PAGE)():
+            if not same(kit(lambda: service.conversation_page(PAGE))().conversations, old_page(0)()):
+                raise RuntimeError("the kit's first page and the original's first page disagree")
+            if not same(kit(lambda: service.conversation_page(PAGE, cursor))().conversations,
+                        old_page((later - 1) * PAGE)()):
                 raise RuntimeError(f"the kit's page {later} and the OFFSET page disagree")
 
             measured = [
                 (f"first page of {PAGE}, {scale}",
                  *paired_ms(kit(lambda: service.conversation_page(PAGE)), old_page(0), repeat)),
-                (f"page {later} of {PAGE} (cursor; bare: OFFSET), {scale}",
+                (f"page {later} of {PAGE} (kit: its cursor; bare: OFFSET), {scale}",
                  *paired_ms(kit(lambda: service.conversation_page(PAGE, cursor)), old_page((later - 1) * PAGE), repeat)),
-                (f"all conversations, list_conversations() (bare: the original's summary query), {scale}",
+                (f"all conversations, list_conversations(), {scale}",
                  *paired_ms(kit(service.list_conversations), anchor(old, ORIGINAL_LISTING), repeat)),
             ]
         finally:
@@ -198,7 +203,7 @@ def rows(quick: bool = False) -> list[dict]:
 
 def breakdown(quick: bool = False) -> list[tuple[str, list[float]]]:
     """Where the whole list's time goes, each side: the query alone (tuple rows, no objects),
-    and the query with the objects built (milliseconds of REPEAT calls)."""
+    and the query with its rows built (milliseconds of REPEAT calls)."""
     conversations = 1_000 if quick else CONVERSATIONS
     repeat = 3 if quick else REPEAT
     with tempfile.TemporaryDirectory() as tmp:
@@ -220,7 +225,7 @@ def breakdown(quick: bool = False) -> list[tuple[str, list[float]]]:
         ("kit: the query alone (tuples)", sql_kit),
         ("kit: Storage.list_conversations() (no recovery check)", store_kit),
         ("original: the query alone (tuples)", sql_bare),
-        ("original: the query, Conversation(*row) per row", built_bare),
+        ("original: the query, a dict per row", built_bare),
     ]
 
 

@@ -1,20 +1,28 @@
-"""The kit on PostgreSQL: time per step against bare LangGraph on `AsyncPostgresSaver`, and
-against the kit on its SQLite file, in one run.
+"""The kit on PostgreSQL against bare LangGraph on `AsyncPostgresSaver`, in one run.
 
-The same 10-turn conversation as `steps.py` (scripted model, zero token delay, no MCP servers),
-each variant on a fresh database of one embedded PostgreSQL server (Unix socket) started here:
+Every row's anchor runs on the same embedded PostgreSQL 18 server (a Unix socket) through psycopg
+as LangGraph's own saver does (`anchors.postgres_saver`: `AsyncPostgresSaver.from_conn_string`,
+one async connection in pipeline mode, autocommit, dict rows), doing the same work as the kit:
 
-  (a) the kit's `AgentService` with `DATABASE_URL`
-  (b) bare LangGraph, the same graph shape, `AsyncPostgresSaver` on a pool, durability "sync"
-  (c) the kit's `AgentService` on a SQLite file
+- time per step: the same 10-turn conversation as `steps.py` (scripted model, zero token
+  delay, no MCP servers), the kit's `AgentService` with `DATABASE_URL` against bare LangGraph
+  (`anchors.bare_graph`: the same graph, `DeltaChannel` with LangGraph's batch reducer,
+  durability "sync"), each on a fresh database, interleaved;
+- storage: one thread of 200 turns of 4 KB (`growth.py`'s turns) on each side, fresh databases,
+  then every table of the database (`pg_total_relation_size`: rows, TOAST and indexes; the kit's
+  app tables included) after a plain VACUUM on both; and LangGraph's three tables alone;
+- the listing of 10,000 conversations of 3 runs each (`listing.py`'s rows): the kit's
+  `list_conversations()` and `conversation_page` on PostgreSQL against the original's own
+  summary query on the same server (the original's columns and its one index,
+  `runs_by_conversation (conversation_id, started_at)`; SQLite's `rowid` tie-break becomes
+  PostgreSQL's `ctid`), paged with LIMIT / OFFSET, its rows dicts (psycopg's `dict_row`, the
+  row shape LangGraph's saver uses) over an async connection;
+- the takeover: worker A is SIGKILLed mid-answer and worker B, open on the database before,
+  resumes A's conversation; timed from the SIGKILL to the resume's first event. The anchor: two
+  bare LangGraph processes (`bare_agent.py serve`) on `AsyncPostgresSaver`, A killed at the same
+  point of the same answer, B resuming the thread with `graph.astream(None)`, to its first item.
 
-the whole listing and a first page of 10,000 conversations of 3 runs each (`listing.py`'s rows,
-copied into PostgreSQL), the kit on PostgreSQL against the kit on its SQLite file, and the storage
-of one thread of 200 turns of 4 KB (`growth.py`'s turns) in LangGraph's three
-tables (`pg_total_relation_size`: rows, TOAST and indexes), the kit's delta channel against bare
-LangGraph's default `add_messages` channel on `AsyncPostgresSaver`.
-
-    python benchmarks/postgres.py
+    python benchmarks/postgres.py [--quick]
 
 `rows(quick)` gives the figures to `benchmarks/bench.py` (`make bench`).
 """
@@ -22,21 +30,20 @@ LangGraph's default `add_messages` channel on `AsyncPostgresSaver`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import shutil
-import statistics
+import sqlite3
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from steps import TURNS, _turns, bare_graph, run_kit  # noqa: E402
+from anchors import PROMPT, bare_graph, postgres_saver  # noqa: E402
+from steps import TURNS, _turns, run_kit  # noqa: E402
 
 from sophos_lab.lab import postgres_server  # noqa: E402
 from sophos_lab.standins._proc import stop_server  # noqa: E402
@@ -44,144 +51,229 @@ from sophos_lab.standins.scripted_model import start_scripted_model  # noqa: E40
 
 ROUNDS = 9
 STORAGE_TURNS = 200
-LANGGRAPH_TABLES = ("checkpoints", "checkpoint_blobs", "checkpoint_writes")
+STORAGE_ROUNDS = 3
+TAKEOVER_ROUNDS = 5
+CONVERSATIONS = 10_000
+REPEAT = 21
+PAGE = 50
+LATER_PAGE = 100
+LANGGRAPH_TABLES = ("checkpoints", "checkpoint_blobs", "checkpoint_writes", "checkpoint_migrations")
+BARE = (
+    "bare LangGraph on AsyncPostgresSaver.from_conn_string(pipeline=True) on the same server: the "
+    "same graph with DeltaChannel (LangGraph's batch reducer), durability sync; for the listing, the original's own "
+    "summary query on its own columns and index, paged with LIMIT / OFFSET, dict rows over psycopg's async "
+    "connection; for the takeover, two bare LangGraph processes, one killed, the other resuming with "
+    "graph.astream(None)"
+)
 
+# The original's tables (its columns, as TEXT, and its one index) and its summary query, on
+# PostgreSQL: SQLite's `rowid` tie-break is `ctid` here, the row's physical position.
+ORIGINAL_SCHEMA = """
+CREATE TABLE conversations (
+    id TEXT PRIMARY KEY,
+    title TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    message_count INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE runs (
+    id TEXT PRIMARY KEY,
+    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    status TEXT NOT NULL,
+    error_code TEXT,
+    error_message TEXT,
+    started_at TEXT NOT NULL,
+    finished_at TEXT
+);
+CREATE INDEX runs_by_conversation ON runs (conversation_id, started_at);
+"""
+ORIGINAL_LISTING = """
+SELECT c.id, c.title, c.created_at, c.updated_at, c.message_count,
+       r.status, r.error_code, r.error_message
+FROM conversations c
+LEFT JOIN runs r ON r.id = (
+    SELECT id FROM runs WHERE conversation_id = c.id ORDER BY started_at DESC, ctid DESC LIMIT 1
+)
+ORDER BY c.updated_at DESC"""
+
+
+# --- time per step -----------------------------------------------------------------------------
 
 async def run_bare_postgres(url: str, database_url: str) -> float:
-    """Seconds for TURNS turns of bare LangGraph on LangGraph's Postgres saver."""
-    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
-
-    kwargs = {"autocommit": True, "row_factory": dict_row, "prepare_threshold": None}
-    async with AsyncConnectionPool(database_url, kwargs=kwargs, open=False) as pool:
-        saver = AsyncPostgresSaver(pool)
-        await saver.setup()
+    """Seconds for TURNS turns of bare LangGraph on `AsyncPostgresSaver` (set up untimed)."""
+    async with postgres_saver(database_url) as saver:
         return await _turns(bare_graph(url, saver), {"configurable": {"thread_id": "bench"}, "recursion_limit": 25})
 
 
-async def measure(rounds: int = ROUNDS) -> dict[str, list[float]]:
-    """Seconds per step of each variant, one figure per round (the rounds interleave them)."""
-    folder = Path(tempfile.mkdtemp(prefix="sophos-pg-bench-"))
-    server = postgres_server.start(folder / "pg")
-    model, url = start_scripted_model(ROOT / "data" / "scripts")
-    results: dict[str, list[float]] = {"kit": [], "bare": [], "sqlite": []}
-    try:
-        for _ in range(rounds):
-            for name in results:
-                with tempfile.TemporaryDirectory() as tmp:
-                    database = postgres_server.new_database(server.url, f"bench_{name}") if name != "sqlite" else None
-                    if name == "bare":
-                        seconds = await run_bare_postgres(url, database)
-                    else:
-                        seconds = await run_kit(url, Path(tmp), database_url=database)
-                    if database:
-                        postgres_server.drop_database(server.url, database)
-                results[name].append(seconds / TURNS)
-    finally:
-        stop_server(model)
-        shutil.rmtree(folder, ignore_errors=True)
+async def steps(server_url: str, model_url: str, rounds: int) -> dict[str, list[float]]:
+    """Milliseconds per step of each side, one figure per round (the rounds interleave them)."""
+    results: dict[str, list[float]] = {"kit": [], "bare": []}
+    for _ in range(rounds):
+        for name in results:
+            with tempfile.TemporaryDirectory() as tmp:
+                database = postgres_server.new_database(server_url, f"bench_{name}")
+                if name == "bare":
+                    seconds = await run_bare_postgres(model_url, database)
+                else:
+                    seconds = await run_kit(model_url, Path(tmp), database_url=database)
+                postgres_server.drop_database(server_url, database)
+            results[name].append(seconds / TURNS * 1000)
     return results
 
 
-def table_bytes(database_url: str) -> int:
+# --- storage -----------------------------------------------------------------------------------
+
+def table_bytes(database_url: str, only: tuple[str, ...] | None = None) -> int:
+    """Bytes of the database's own tables (`public`), or of those named `only`, after a VACUUM."""
     import psycopg
 
-    with psycopg.connect(database_url) as conn:
-        return conn.execute("SELECT sum(pg_total_relation_size(c.oid))::bigint FROM pg_class c WHERE relname = ANY(%s)",
-                            (list(LANGGRAPH_TABLES),)).fetchone()[0]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("VACUUM")
+        return conn.execute(
+            "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)::bigint FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'm')"
+            + (" AND c.relname = ANY(%s)" if only else ""), (list(only),) if only else ()).fetchone()[0]
 
 
-async def storage(turns: int = STORAGE_TURNS) -> dict[str, int]:
-    """Bytes of LangGraph's tables after one thread of `turns` 4 KB turns, each side on a fresh
-    database; and the raw bytes of the thread's user messages."""
+async def kit_thread(url: str, folder: Path, database_url: str, turns: int) -> None:
+    from growth import user_message
+
+    from sophos_lab.runtime.service import AgentService
+    from sophos_lab.runtime.settings import Settings
+
+    config = folder / "config"
+    config.mkdir(exist_ok=True)
+    (config / "mcp.json").write_text("{}")
+    (config / "system.md").write_text(PROMPT)
+    service = AgentService(Settings.from_env({
+        "OLLAMA_HOST": url, "OLLAMA_MODEL": "scripted", "DATABASE_URL": database_url, "CONFIG_DIR": str(config),
+        "MEMORY_FILE_PATH": str(folder / "memory.jsonl"), "DATABASE_PATH": str(folder / "unused.db")}))
+    try:
+        conversation = None
+        for turn in range(turns):
+            run = await service.chat(user_message(turn), conversation)
+            conversation = run.conversation
+            await run.wait()
+    finally:
+        await service.aclose()
+
+
+async def bare_thread(url: str, database_url: str, turns: int) -> None:
     from growth import user_message
     from langchain_core.messages import HumanMessage
-    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+
+    async with postgres_saver(database_url) as saver:
+        graph = bare_graph(url, saver)
+        config = {"configurable": {"thread_id": "bench"}, "recursion_limit": 25}
+        for turn in range(turns):
+            await graph.ainvoke({"messages": [HumanMessage(user_message(turn))]}, config, durability="sync")
+
+
+async def storage(server_url: str, model_url: str, turns: int, rounds: int) -> dict[str, list[float]]:
+    """MB of every table and of LangGraph's tables, each side, one figure per round."""
+    found: dict[str, list[float]] = {"kit": [], "bare": [], "kit_langgraph": [], "bare_langgraph": []}
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory() as tmp:
+            kit_db, bare_db = (postgres_server.new_database(server_url, name) for name in ("kit", "bare"))
+            await kit_thread(model_url, Path(tmp), kit_db, turns)
+            await bare_thread(model_url, bare_db, turns)
+            for name, database in (("kit", kit_db), ("bare", bare_db)):
+                found[name].append(table_bytes(database) / 1e6)
+                found[f"{name}_langgraph"].append(table_bytes(database, LANGGRAPH_TABLES) / 1e6)
+                postgres_server.drop_database(server_url, database)
+    return found
+
+
+# --- listing -----------------------------------------------------------------------------------
+
+async def paired_ms(kit, bare, repeat: int) -> tuple[list[float], list[float]]:
+    """As `listing.paired_ms`, for calls that may be coroutines (awaited inside the timing)."""
+    async def call(function) -> None:
+        result = function()
+        if inspect.isawaitable(result):
+            await result
+
+    await call(kit)
+    await call(bare)
+    times: dict[object, list[float]] = {kit: [], bare: []}
+    for number in range(repeat):
+        for function in (kit, bare) if number % 2 == 0 else (bare, kit):
+            start = time.perf_counter()
+            await call(function)
+            times[function].append((time.perf_counter() - start) * 1000)
+    return times[kit], times[bare]
+
+
+def copy_rows(source: Path, database_url: str) -> None:
+    """The conversations and runs of the SQLite file `source` into the database's tables."""
+    import psycopg
+
+    rows = sqlite3.connect(source)
+    with psycopg.connect(database_url) as conn, conn.cursor() as cursor:
+        cursor.executemany(
+            "INSERT INTO conversations (id, title, created_at, updated_at, message_count) VALUES (%s, %s, %s, %s, %s)",
+            rows.execute("SELECT id, title, created_at, updated_at, message_count FROM conversations ORDER BY rowid"))
+        cursor.executemany(
+            "INSERT INTO runs (id, conversation_id, status, started_at, finished_at) VALUES (%s, %s, %s, %s, %s)",
+            rows.execute("SELECT id, conversation_id, status, started_at, finished_at FROM runs ORDER BY rowid"))
+    rows.close()
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+
+
+async def listing(server_url: str, conversations: int, repeat: int) -> list[tuple[str, list[float], list[float]]]:
+    """Milliseconds of the kit's first page, later page and whole listing on PostgreSQL, and of
+    the original's query for each on the same server, alternating."""
+    import psycopg
+    from listing import fill, same
+    from psycopg.rows import dict_row
 
     from sophos_lab.runtime.service import AgentService
     from sophos_lab.runtime.settings import Settings
 
     folder = Path(tempfile.mkdtemp(prefix="sophos-pg-bench-"))
-    server = postgres_server.start(folder / "pg")
-    model, url = start_scripted_model(ROOT / "data" / "scripts")
-    found = {"raw": sum(len(user_message(t).encode()) for t in range(turns))}
     try:
-        kit_db, bare_db = (postgres_server.new_database(server.url, name) for name in ("kit", "bare"))
-        config = folder / "config"
-        config.mkdir()
-        (config / "mcp.json").write_text("{}")
-        (config / "system.md").write_text("You are a benchmark.")
-        service = AgentService(Settings.from_env({
-            "OLLAMA_HOST": url, "OLLAMA_MODEL": "scripted", "DATABASE_URL": kit_db, "CONFIG_DIR": str(config),
-            "MEMORY_FILE_PATH": str(folder / "memory.jsonl"), "DATABASE_PATH": str(folder / "unused.db")}))
-        try:
-            conversation = None
-            for turn in range(turns):
-                run = await service.chat(user_message(turn), conversation)
-                conversation = run.conversation
-                await run.wait()
-        finally:
-            await service.aclose()
-        found["kit"] = table_bytes(kit_db)
-        kwargs = {"autocommit": True, "row_factory": dict_row, "prepare_threshold": None}
-        async with AsyncConnectionPool(bare_db, kwargs=kwargs, open=False) as pool:
-            saver = AsyncPostgresSaver(pool)
-            await saver.setup()
-            graph = bare_graph(url, saver)
-            config_ = {"configurable": {"thread_id": "bench"}, "recursion_limit": 25}
-            for turn in range(turns):
-                await graph.ainvoke({"messages": [HumanMessage(user_message(turn))]}, config_, durability="sync")
-        found["bare"] = table_bytes(bare_db)
+        fill(folder / "listing.db", conversations)
+        kit_db, old_db = (postgres_server.new_database(server_url, name) for name in ("listing", "original"))
+        service = AgentService(Settings.from_env({"DATABASE_URL": kit_db, "DATABASE_PATH": str(folder / "unused.db")}))
+        await service.open()  # migrated
+        copy_rows(folder / "listing.db", kit_db)
+        with psycopg.connect(old_db, autocommit=True) as conn:
+            conn.execute(ORIGINAL_SCHEMA)
+        copy_rows(folder / "listing.db", old_db)
+        later = min(LATER_PAGE, conversations // PAGE // 2)
+        scale = f"{conversations:,} conversations x 3 runs"
+        async with await psycopg.AsyncConnection.connect(old_db, autocommit=True, row_factory=dict_row) as old:
+            def original(suffix: str = ""):
+                async def query() -> list[dict]:
+                    return await (await old.execute(ORIGINAL_LISTING + suffix)).fetchall()
+                return query
+
+            first, offset = original(f" LIMIT {PAGE}"), original(f" LIMIT {PAGE} OFFSET {(later - 1) * PAGE}")
+            cursor = None
+            for _ in range(later - 1):
+                cursor = (await service.conversation_page(PAGE, cursor)).next_cursor
+            try:
+                if not same(await service.list_conversations(), await original()()):
+                    raise RuntimeError("the kit's listing on PostgreSQL and the original's query disagree")
+                if not same((await service.conversation_page(PAGE, cursor)).conversations, await offset()):
+                    raise RuntimeError(f"the kit's page {later} and the OFFSET page disagree on PostgreSQL")
+                return [
+                    (f"first page of {PAGE}, {scale}",
+                     *await paired_ms(lambda: service.conversation_page(PAGE), first, repeat)),
+                    (f"page {later} of {PAGE} (kit: its cursor; bare: OFFSET), {scale}",
+                     *await paired_ms(lambda: service.conversation_page(PAGE, cursor), offset, repeat)),
+                    (f"all conversations, list_conversations(), {scale}",
+                     *await paired_ms(service.list_conversations, original(), repeat)),
+                ]
+            finally:
+                await service.aclose()
     finally:
-        stop_server(model)
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
-    return found
-
-
-def listing(conversations: int, repeat: int) -> dict[str, tuple[list[float], list[float]]]:
-    """Milliseconds of `list_conversations()` and of a first page of 50, each on PostgreSQL
-    and on the SQLite file with the same rows, alternating."""
-    import psycopg
-    from listing import fill, paired_ms
-
-    from sophos_lab.runtime.storage import postgres_storage, sqlite_storage
-    from sophos_lab.runtime.storage.blocking import Blocking
-
-    folder = Path(tempfile.mkdtemp(prefix="sophos-pg-bench-"))
-    server = postgres_server.start(folder / "pg")
-    try:
-        path = folder / "listing.db"
-        fill(path, conversations)
-        url = postgres_server.new_database(server.url, "listing")
-        with Blocking(lambda: postgres_storage(url)) as store:
-            store.open()  # migrated
-        import sqlite3
-
-        source = sqlite3.connect(path)
-        with psycopg.connect(url) as conn, conn.cursor() as cursor:
-            cursor.executemany("INSERT INTO conversations (id, title, created_at, updated_at, message_count)"
-                               " VALUES (%s, %s, %s, %s, %s)", source.execute(
-                                   "SELECT id, title, created_at, updated_at, message_count FROM conversations ORDER BY rowid"))
-            cursor.executemany("INSERT INTO runs (id, conversation_id, status, started_at, finished_at)"
-                               " VALUES (%s, %s, %s, %s, %s)", source.execute(
-                                   "SELECT id, conversation_id, status, started_at, finished_at FROM runs ORDER BY rowid"))
-            cursor.execute("ANALYZE")
-        source.close()
-        # Each awaited on a loop of its own (`Blocking`): the same hop on both sides.
-        on_postgres, on_sqlite = Blocking(lambda: postgres_storage(url)), Blocking(lambda: sqlite_storage(path))
-        try:
-            assert on_postgres.list_conversations() == on_sqlite.list_conversations()  # the same rows, in order
-            return {
-                "whole": paired_ms(on_postgres.list_conversations, on_sqlite.list_conversations, repeat),
-                "page": paired_ms(on_postgres.conversation_page, on_sqlite.conversation_page, repeat),
-            }
-        finally:
-            on_postgres.close()
-            on_sqlite.close()
-    finally:
-        server.stop()
         shutil.rmtree(folder, ignore_errors=True)
 
+
+# --- the takeover ------------------------------------------------------------------------------
 
 def kill_then_the_other_resumes(lab) -> float:
     """Seconds from the SIGKILL of worker A, mid-answer, to the `started` of the resume through
@@ -212,63 +304,95 @@ def kill_then_the_other_resumes(lab) -> float:
         b.close()
 
 
-def takeover(rounds: int) -> dict[str, list[float]]:
-    """`kill_then_the_other_resumes` on a PostgreSQL lab and on a SQLite lab, interleaved."""
-    from startup import lab_in
+def bare_kill_then_the_other_resumes(lab, database_url: str, b) -> float:
+    """The same with bare LangGraph: A (`bare_agent.py serve`) killed mid-answer, B (open on
+    the database since before) resumes the thread; seconds from the SIGKILL to B's first item."""
+    import uuid
 
-    found: dict[str, list[float]] = {"postgres": [], "sqlite": []}
-    with tempfile.TemporaryDirectory() as home, lab_in(Path(home), "bench-pg-takeover", postgres=True) as on_postgres, \
-            lab_in(Path(home), "bench-sqlite-takeover") as on_sqlite:
-        for _ in range(rounds):
-            found["postgres"].append(kill_then_the_other_resumes(on_postgres))
-            found["sqlite"].append(kill_then_the_other_resumes(on_sqlite))
+    from startup import SUMMARISE, BareChild
+
+    a = BareChild(lab, "serve", database_url, stdin=True)
+    a.wait_for("ready")
+    thread = str(uuid.uuid4())
+    lab.model.arm("summary")
+    a.send({"op": "chat", "thread": thread, "message": SUMMARISE.format(url=lab.page("wal.html"))})
+    a.wait_for("result")
+    lab.model.wait_paused()
+    mark = b.mark()
+    killed = time.perf_counter()
+    a.kill()
+    b.send({"op": "resume", "thread": thread})
+    b.wait_for("started", since=mark)
+    started = time.perf_counter()
+    lab.model.release()  # the stream the killed child was reading
+    final = b.wait_for("end", since=mark)
+    if final != "end 4":
+        raise RuntimeError(f"the bare resume did not complete: {b.lines[mark:]}")
+    return started - killed
+
+
+def takeover(rounds: int) -> dict[str, list[float]]:
+    """Both takeovers on one PostgreSQL lab, interleaved."""
+    from startup import BareChild, lab_in
+
+    found: dict[str, list[float]] = {"kit": [], "bare": []}
+    with tempfile.TemporaryDirectory() as home, lab_in(Path(home), "bench-pg-takeover", postgres=True) as lab:
+        database = postgres_server.new_database(lab.postgres.url, "bare_takeover")
+        b = BareChild(lab, "serve", database, stdin=True)
+        try:
+            b.wait_for("ready")
+            for _ in range(rounds):
+                found["kit"].append(kill_then_the_other_resumes(lab))
+                found["bare"].append(bare_kill_then_the_other_resumes(lab, database, b))
+        finally:
+            b.close()
     return found
 
 
+# --- the rows ----------------------------------------------------------------------------------
+
+async def measure(quick: bool) -> dict:
+    folder = Path(tempfile.mkdtemp(prefix="sophos-pg-bench-"))
+    server = postgres_server.start(folder / "pg")
+    model, url = start_scripted_model(ROOT / "data" / "scripts")
+    try:
+        return {
+            "steps": await steps(server.url, url, 3 if quick else ROUNDS),
+            "storage": await storage(server.url, url, 20 if quick else STORAGE_TURNS, 1 if quick else STORAGE_ROUNDS),
+            "listing": await listing(server.url, 1_000 if quick else CONVERSATIONS, 3 if quick else REPEAT),
+        }
+    finally:
+        stop_server(model)
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def rows(quick: bool = False) -> list[dict]:
-    count = 1000 if quick else 10_000
-    taken = takeover(1 if quick else 5)
-    listed = listing(count, 5 if quick else 21)
-    sizes = asyncio.run(storage(turns=50 if quick else STORAGE_TURNS))
-    results = asyncio.run(measure(rounds=3 if quick else ROUNDS))
-    ms = {name: [value * 1000 for value in values] for name, values in results.items()}
+    found = asyncio.run(measure(quick))
+    taken = takeover(1 if quick else TAKEOVER_ROUNDS)
     scale = f"{TURNS}-turn conversation, embedded PostgreSQL 18 on a Unix socket"
-    return [
-        {"benchmark": "postgres", "measure": f"time per step on PostgreSQL, bare = LangGraph with AsyncPostgresSaver ({scale})",
-         "kit_runs": ms["kit"], "bare_runs": ms["bare"], "unit": "ms"},
-        {"benchmark": "postgres", "measure": f"time per step, kit on PostgreSQL; bare column = the kit on its SQLite file ({scale})",
-         "kit_runs": ms["kit"], "bare_runs": ms["sqlite"], "unit": "ms"},
-        {"benchmark": "postgres", "measure": f"LangGraph's tables after one {50 if quick else STORAGE_TURNS}-turn thread of 4 KB "
-         f"turns ({sizes['raw'] / 1e6:.2f} MB of user text); bare = the default add_messages channel",
-         "kit_runs": [sizes["kit"] / 1e6], "bare_runs": [sizes["bare"] / 1e6], "unit": "MB"},
-        {"benchmark": "postgres", "measure": f"the whole listing of {count:,} conversations (3 runs each), kit on "
-         "PostgreSQL; bare column = the kit on its SQLite file, the same rows",
-         "kit_runs": listed["whole"][0], "bare_runs": listed["whole"][1], "unit": "ms"},
-        {"benchmark": "postgres", "measure": f"the first page (50) of {count:,} conversations, kit on PostgreSQL; "
-         "bare column = the kit on its SQLite file",
-         "kit_runs": listed["page"][0], "bare_runs": listed["page"][1], "unit": "ms"},
-        {"benchmark": "postgres", "measure": "SIGKILL of one worker mid-answer -> the other worker's resume, first event "
-         "(forked workers, one host), kit on PostgreSQL; bare column = the kit on its SQLite file",
-         "kit_runs": taken["postgres"], "bare_runs": taken["sqlite"], "unit": "s"},
+    turns = 20 if quick else STORAGE_TURNS
+    sizes = found["storage"]
+    out = [
+        {"benchmark": "postgres", "measure": f"time per step on PostgreSQL, durability sync ({scale})",
+         "kit_runs": found["steps"]["kit"], "bare_runs": found["steps"]["bare"], "unit": "ms"},
+        {"benchmark": "postgres", "measure": f"one {turns}-turn thread of 4 KB turns: every table of the database "
+         "(the kit's app tables included), after VACUUM", "kit_runs": sizes["kit"], "bare_runs": sizes["bare"],
+         "unit": "MB"},
+        {"benchmark": "postgres", "measure": f"one {turns}-turn thread of 4 KB turns: LangGraph's tables alone",
+         "kit_runs": sizes["kit_langgraph"], "bare_runs": sizes["bare_langgraph"], "unit": "MB"},
     ]
-
-
-async def main() -> None:
-    from bench import machine
-
-    sizes = await storage()
-    print(f"{STORAGE_TURNS}-turn thread of 4 KB turns ({sizes['raw'] / 1e6:.2f} MB of user text), LangGraph's tables: "
-          f"kit {sizes['kit'] / 1e6:.1f} MB, bare add_messages {sizes['bare'] / 1e6:.1f} MB")
-    results = await measure()
-    print(f"Machine: {machine()}")
-    for label, name in (("(a) kit on PostgreSQL", "kit"), ("(b) LangGraph + AsyncPostgresSaver", "bare"),
-                        ("(c) kit on SQLite", "sqlite")):
-        values = results[name]
-        print(f"{label:<36} {statistics.median(values) * 1000:7.1f} ms/step  "
-              f"(n={len(values)}, min-max {min(values) * 1000:.1f}-{max(values) * 1000:.1f} ms)")
-    median = {name: statistics.median(values) for name, values in results.items()}
-    print(f"ratio (a)/(b) = {median['kit'] / median['bare']:.2f}   ratio (a)/(c) = {median['kit'] / median['sqlite']:.2f}")
+    out += [{"benchmark": "postgres", "measure": f"listing: {measure}", "kit_runs": kit, "bare_runs": bare,
+             "unit": "ms"} for measure, kit, bare in found["listing"]]
+    out.append({"benchmark": "postgres", "measure": "SIGKILL of worker A mid-answer -> worker B's resume, first "
+                "event (B open on the database before; bare: B's resumed stream's first item)",
+                "kit_runs": taken["kit"], "bare_runs": taken["bare"], "unit": "s"})
+    return out
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    from bench import format_table, machine
+
+    print(f"Machine: {machine()}")
+    print(f"bare: {BARE}")
+    print(format_table(rows(quick="--quick" in sys.argv)))
