@@ -50,6 +50,8 @@ class ActiveRun:
     """When this process took the run on."""
     overdue: bool = False
     """Stopped for running longer than its steps can take (`AgentService.overdue_seconds`)."""
+    before: str | None = None
+    """The status of the conversation's run before this one, if its starter read it (None: not read)."""
     input_ids: str | None = None
     """`runs.input` once the thread holds the run's messages (`models.carried_ids`); None: a resume."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)

@@ -50,7 +50,7 @@ from .reading import Reading
 from .requests import canonical_request, parse_conversation_id, parse_message
 from .settings import Settings
 from .storage import open_storage
-from .storage.models import Conversation, Gate, IdempotencyKey, carried_ids, unapplied_input, utc_now
+from .storage.models import Conversation, Gate, IdempotencyKey, Run, carried_ids, unapplied_input, utc_now
 from .tools import McpTools, approval_rule, mcp_servers
 
 log = logging.getLogger(__name__)
@@ -131,15 +131,16 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         else:
             conversation_id, new = (await self._existing(conversation_id)).id, False
         self._check_idle(conversation_id)
-        if not new:
+        latest = None if new else await self.store.latest_run(conversation_id)  # read once, used thrice
+        if latest is not None and latest.status == "waiting":
             await self._check_not_waiting(conversation_id)
         check_config(self.settings)  # a bad mcp.json or system.md is refused with nothing written
         await self._graph_ready()
         # A message accepted earlier that never reached the thread goes first: nothing is dropped.
-        carried = [] if new else await self._carried_input(conversation_id)
+        carried = [] if latest is None else await self._carried_input(conversation_id, latest)
         messages = [*carried, {"id": str(uuid.uuid4()), "content": text}]
         return await self._launch(conversation_id, messages, resume=False, title=text if new else None,
-                                  idempotency=keyed)
+                                  idempotency=keyed, before=latest.status if latest else None)
 
     async def resume(self, conversation: object, idempotency_key: str | IdempotencyKey | None = None) -> ActiveRun:
         """Start a run that continues the thread from its latest checkpoint (`idempotency_key`
@@ -313,12 +314,11 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         async with self._writing:
             return await write(*args)
 
-    async def _carried_input(self, conversation_id: str) -> list[dict[str, str]]:
-        """`_pending_input` for a new message. The common case (the last run completed, so its
-        input is in the thread) reads no checkpoint; otherwise the thread's latest state (live:
-        a gate a carried decision has answered no longer holds it)."""
-        latest = await self.store.latest_run(conversation_id)
-        if latest is None or latest.status == "completed":
+    async def _carried_input(self, conversation_id: str, latest: Run) -> list[dict[str, str]]:
+        """`_pending_input` for a new message after the `latest` run. The common case (it
+        completed, so its input is in the thread) reads no checkpoint; otherwise the thread's
+        latest state (live: a gate a carried decision has answered no longer holds it)."""
+        if latest.status == "completed":
             return []
         state = await self._graph.aget_state(thread_config(conversation_id))
         if state.interrupts:  # live: not those a decision carried on has answered
@@ -336,9 +336,7 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
                 f"The thread's last turn holds {len(unasked)} tool call(s) that need approval "
                 f"({', '.join(unasked)}), and its run stopped before it asked: resume() to reach "
                 "the gate, then approve or reject them."))
-        if not latest.input:
-            return []
-        return await self._pending_input(conversation_id, state.metadata)
+        return await self._pending_input(conversation_id, state.metadata) if latest.input else []
 
     async def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
         """The messages of the latest run if they never reached the thread, else [].
@@ -352,7 +350,7 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
     async def _launch(
         self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None,
         idempotency: IdempotencyKey | None = None, command: Command | None = None,
-        decision: tuple[Gate, dict[str, dict]] | None = None,
+        decision: tuple[Gate, dict[str, dict]] | None = None, before: str | None = None,
     ) -> ActiveRun:
         """Write the run (with its messages, key and gate decision), then publish `started` and
         run the graph: with the messages, or `command` (a gate's decisions), or from `next`.
@@ -361,7 +359,7 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         if self.settings.on_workers:
             return await self._queue(conversation_id, messages, resume, title, idempotency, decision)
         run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume,
-                        keep=self.settings.event_buffer, input_ids=carried_ids(messages))
+                        keep=self.settings.event_buffer, input_ids=carried_ids(messages), before=before)
 
         async def start() -> None:
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
@@ -572,8 +570,10 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         The fold's checkpoint is the stopped run's (the one whose step it is): this run's own
         input has not reached the thread yet (see `unapplied_input`). A resume stops before any
         node (an input-less run passes no breakpoint in its first step, so it folds just that)."""
-        runs = await self.store.list_runs(run.conversation)
-        if len(runs) < 2 or runs[-2].status == "completed":
+        if run.before is None:
+            runs = await self.store.list_runs(run.conversation)
+            run.before = runs[-2].status if len(runs) > 1 else "completed"
+        if run.before == "completed":
             return
         config = thread_config(run.conversation)
         state = await graph.aget_state(config)
