@@ -18,10 +18,10 @@ What differs from SQLite, and only that, is here and in `postgres_schema` and `p
   that run's row (`FOR SHARE`) until the insert commits, so a takeover waits for a write that
   got in first and refuses every one after. A connection without the setting (the app tables',
   a read-only view, a plain saver) is not fenced, as a connection without SQLite's TEMP triggers is not.
-- **One transaction per saver write.** The saver pipelines an autocommit connection, which
-  commits each statement of a write on its own: a task's pending writes could be cut in half.
-  Here every checkpoint and every task's writes is one transaction (the library's own
-  no-pipeline path).
+- **One transaction per saver write, pipelined.** LangGraph's saver pipelines an autocommit
+  connection, which commits each statement of a write on its own: a task's pending writes could
+  be cut in half. Here every checkpoint and every task's writes is one transaction, sent as one
+  pipeline (`BEGIN`, the statements, `COMMIT` in one round trip), so it costs no more trips.
 
 The app tables' connections are kept for reuse, a few at a time, and each is looked at before
 use: one the server hung up on (a restart) is replaced, and one that cannot be made is
@@ -291,8 +291,21 @@ def _notifying_saver_class():
 
         def __init__(self, conn: Any, lock: asyncio.Lock | None = None, **kwargs: Any) -> None:
             super().__init__(conn, **kwargs)
-            self.supports_pipeline = False  # one transaction per write (see the module)
             self._notifying(lock)
+
+        @contextlib.asynccontextmanager
+        async def _cursor(self, *, pipeline: bool = False) -> AsyncIterator[Any]:
+            """A write (`pipeline=True`) is one transaction, pipelined: its statements go in
+            one round trip and commit together (see the module); a read is LangGraph's own."""
+            if not pipeline:
+                async with super()._cursor() as cursor:
+                    yield cursor
+                return
+            from langgraph.checkpoint.postgres import _ainternal
+
+            async with self.lock, _ainternal.get_connection(self.conn) as conn:
+                async with conn.pipeline(), conn.transaction(), conn.cursor(binary=True, row_factory=dict_row) as cursor:
+                    yield cursor
 
     return NotifyingPostgresSaver
 
