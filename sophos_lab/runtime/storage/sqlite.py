@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -241,9 +242,15 @@ class NamedRow(tuple):
     names: tuple[str, ...]
 
 
+_last_names = threading.local()  # each connection's thread: its cursor's description, and its names
+
+
 def _named_row(cursor: sqlite3.Cursor, row: tuple) -> NamedRow:
     named = NamedRow(row)
-    named.names = tuple(column[0] for column in cursor.description)
+    description = cursor.description  # the same object for every row of a statement
+    if getattr(_last_names, "description", None) is not description:
+        _last_names.description, _last_names.names = description, tuple(column[0] for column in description)
+    named.names = _last_names.names
     return named
 
 
