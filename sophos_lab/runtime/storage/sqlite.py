@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import sqlite3
 import threading
@@ -237,21 +238,26 @@ class SqliteConnector:
 
 class NamedRow(tuple):
     """A row as the tuple LangGraph's saver reads (it shares the read connection), which also
-    carries its column names for `SqliteTx.rows`."""
+    carries its column names for `SqliteTx.rows`: a subclass per set of names, so a row costs
+    no more than a tuple."""
 
-    names: tuple[str, ...]
+    __slots__ = ()
+    names: tuple[str, ...] = ()
 
 
-_last_names = threading.local()  # each connection's thread: its cursor's description, and its names
+@functools.lru_cache(maxsize=256)
+def _row_class(names: tuple[str, ...]) -> type[NamedRow]:
+    return type("NamedRow", (NamedRow,), {"__slots__": (), "names": names})
+
+
+_last = threading.local()  # each connection's thread: its statement's description, and its row class
 
 
 def _named_row(cursor: sqlite3.Cursor, row: tuple) -> NamedRow:
-    named = NamedRow(row)
     description = cursor.description  # the same object for every row of a statement
-    if getattr(_last_names, "description", None) is not description:
-        _last_names.description, _last_names.names = description, tuple(column[0] for column in description)
-    named.names = _last_names.names
-    return named
+    if getattr(_last, "description", None) is not description:
+        _last.description, _last.row_class = description, _row_class(tuple(column[0] for column in description))
+    return _last.row_class(row)
 
 
 async def _connect(path: Path) -> aiosqlite.Connection:
