@@ -282,6 +282,10 @@ class AttemptWatch:
     answers: dict[str, list[int | None]] = field(default_factory=dict)
     """Per node, the HTTP status of each failed attempt of its current step (None: no answer)."""
     gave_up: StepFailure | None = None
+    before_step: Callable[[], Awaitable[None]] | None = None
+    """Awaited as each attempt begins, before its work: the service's wait for a write of the
+    run's life under way (a cancel being recorded), so a run stopped meanwhile stops there,
+    before the step's model request or tool call."""
 
 
 ATTEMPT_WATCH: ContextVar[AttemptWatch | None] = ContextVar("sophos_attempt_watch", default=None)
@@ -349,11 +353,13 @@ def node_policies(node: str, settings: Settings) -> tuple[RetryPolicy, TimeoutPo
     return retry, TimeoutPolicy(run_timeout=limit)
 
 
-def _attempt_begins(node: str, runtime: Any) -> None:
+async def _attempt_begins(node: str, runtime: Any) -> None:
     watch = ATTEMPT_WATCH.get()
     info = getattr(runtime, "execution_info", None)
     if watch is not None and info is not None:
         watch.attempt[node] = info.node_attempt
+    if watch is not None and watch.before_step is not None:
+        await watch.before_step()
 
 
 def classify_failure(error: BaseException, gave_up: StepFailure | None, settings: Settings) -> tuple[str, str]:
@@ -399,7 +405,7 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver, *, 
 
     async def agent(state: State, config: RunnableConfig, runtime: Any = None) -> dict:
         assert parts is not None, "this graph was built for reading only"
-        _attempt_begins("agent", runtime)
+        await _attempt_begins("agent", runtime)
         tools = await parts.tools()
         model = parts.model()
         bound = model.bind_tools(model_facing(tools)) if tools else model
@@ -421,7 +427,7 @@ def build_graph(parts: AgentParts | None, checkpointer: BaseCheckpointSaver, *, 
 
     async def tools(state: State, config: RunnableConfig, runtime: Any = None) -> dict:
         assert parts is not None, "this graph was built for reading only"
-        _attempt_begins("tools", runtime)
+        await _attempt_begins("tools", runtime)
         thread_id = config["configurable"]["thread_id"]
         needs_approval = parts.approvals()
         # Held: what the configuration gates now, and whatever the run carries a decision for
