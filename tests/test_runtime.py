@@ -285,6 +285,28 @@ async def test_the_accepted_message_is_stored_once_its_run_has_written_it_to_the
     assert json.loads(run.input) == [{"id": user["id"], "content": text}]
 
 
+async def test_a_message_that_never_reached_the_thread_keeps_its_text_in_its_run(open_service, db_path):
+    async with open_service() as agent:
+        conversation = (await agent.ask("hello")).data["conversation"]
+        cancels = []
+
+        def cancel_once_the_run_is_written(write) -> None:  # before any checkpoint of the run
+            if write.kind == "run" and not cancels:
+                cancels.append(asyncio.get_running_loop().create_task(agent.cancel(conversation)))
+
+        agent.on_write = cancel_once_the_run_is_written
+        stopped = await agent.chat("Remember the word heliotrope", conversation)
+        assert (await stopped.wait()).event == "chat-error"
+        await cancels[0]
+        first, second = await agent.list_runs(conversation)
+    rows = peek_runs(db_path, conversation)
+
+    assert [run.status for run in (first, second)] == ["completed", "cancelled"]
+    assert json.loads(rows["input"].iloc[1])[0]["content"] == "Remember the word heliotrope"  # kept whole
+    assert [m["content"] for m in json.loads(first.input)] == ["hello"]  # read back from the thread
+    assert [m["content"] for m in json.loads(second.input)] == ["Remember the word heliotrope"]
+
+
 async def test_concurrent_first_use_opens_one_saver_and_closing_releases_the_file(open_service, db_path):
     import psutil
 

@@ -53,8 +53,20 @@ class ActiveRun:
     before: str | None = None
     """The status of the conversation's run before this one, if its starter read it (None: not read)."""
     input_ids: str | None = None
+    input_saved: bool = False
+    """A `loop` checkpoint of this run is committed, so its messages are in the thread (its input
+    checkpoint holds them only in `__start__`, and a fold's checkpoint is another run's)."""
     """`runs.input` once the thread holds the run's messages (`models.carried_ids`); None: a resume."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def checkpoint_listener(self, saved: Callable[[int], None]) -> Callable[[dict[str, Any]], None]:
+        """What the saver calls with each committed checkpoint of the thread: notes whether this
+        run's messages are in it, then `saved(step)`."""
+        def listener(metadata: dict[str, Any]) -> None:
+            if metadata.get("run_id") == self.id and metadata.get("source") == "loop":
+                self.input_saved = True
+            saved(metadata.get("step", -1))
+        return listener
 
     def publish(self, name: str, data: Any) -> Event:
         event = Event(self.last_id + 1, name, data)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from langgraph.checkpoint.base import get_checkpoint_metadata
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
 FENCED = "SOPHOS_FENCED"
@@ -134,7 +135,7 @@ class Notifying:
     def _tell(self, config: Any, metadata: dict[str, Any]) -> None:
         listener = self.listeners.get(str(config["configurable"]["thread_id"]))
         if listener is not None:
-            listener(metadata)
+            listener(get_checkpoint_metadata(config, metadata))  # as stored: with the config's run_id
 
 
 class NotifyingSaver(Notifying, AsyncSqliteSaver):

@@ -66,8 +66,9 @@ class Reading:
         # A finished run's row keeps its messages' ids; their text is in the thread, stored once.
         state = await (await self._graph_ready()).aget_state(thread_config(conversation_id))
         text = {m["id"]: m["content"] for m in message_dtos(state.values.get("messages", []))}
-        return [replace(run, input=json.dumps([{**m, "content": text.get(m["id"])} for m in json.loads(run.input)],
-                                              ensure_ascii=False)) if run.input else run for run in runs]
+        return [replace(run, input=json.dumps([m if "content" in m else {**m, "content": text.get(m["id"])}
+                                               for m in json.loads(run.input)], ensure_ascii=False))
+                if run.input else run for run in runs]
 
     async def conversation_summary(self, conversation: str) -> Conversation:
         """The conversation's row, once a dead owner's run on it is recovered; no thread read."""

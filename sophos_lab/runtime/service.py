@@ -436,7 +436,7 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
             config["configurable"][CARRIED_DECISIONS] = carried
         translator = StreamTranslator(model_name=self.settings.ollama_model)
         gate = DurableGate(run.publish)
-        self._saver.listeners[run.conversation] = lambda metadata: gate.saved(metadata.get("step", -1))
+        self._saver.listeners[run.conversation] = run.checkpoint_listener(gate.saved)
 
         def retrying(node: str, notice: dict[str, Any]) -> None:
             # Live, like a token: a retry is news about a step in flight, not a saved fact.
@@ -500,7 +500,7 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
             nonlocal status, error, stopped_at
             if run.cancel_requested:  # written before this, under the same lock: it wins
                 status, error, stopped_at = "cancelled", (errors.CANCELLED, errors.CANCELLED_MESSAGE), None
-            input_ids = run.input_ids if gate.saved_step is not None else None  # the thread holds them
+            input_ids = run.input_ids if run.input_saved else None  # the thread holds them
             recorded = await self.store.finish_run(run.id, status, count, *(error or (None, None)), gate=stopped_at,
                                                    steps=steps, input_ids=input_ids)
             if not recorded and not run.cancel_requested and await self.store.cancel_requested(run.id):

@@ -20,8 +20,9 @@ What differs from SQLite, and only that, is here and in `postgres_schema` and `p
   a read-only view, a plain saver) is not fenced, as a connection without SQLite's TEMP triggers is not.
 - **One transaction per saver write, pipelined.** LangGraph's saver pipelines an autocommit
   connection, which commits each statement of a write on its own: a task's pending writes could
-  be cut in half. Here every checkpoint and every task's writes is one transaction, sent as one
-  pipeline (`BEGIN`, the statements, `COMMIT` in one round trip), so it costs no more trips.
+  be cut in half. Here every checkpoint and every task's writes is one transaction, sent as a
+  pipeline (`BEGIN`, the statements and `COMMIT` without waiting for each other: two or three
+  round trips a write, where it was one a statement).
 
 The app tables' connections are kept for reuse, a few at a time, and each is looked at before
 use: one the server hung up on (a restart) is replaced, and one that cannot be made is
@@ -295,10 +296,11 @@ def _notifying_saver_class():
 
         @contextlib.asynccontextmanager
         async def _cursor(self, *, pipeline: bool = False) -> AsyncIterator[Any]:
-            """A write (`pipeline=True`) is one transaction, pipelined: its statements go in
-            one round trip and commit together (see the module); a read is LangGraph's own."""
-            if not pipeline:
-                async with super()._cursor() as cursor:
+            """A write (`pipeline=True`) is one transaction, pipelined: its statements go
+            without waiting for each other and commit together (see the module); a read, or a
+            libpq without pipeline mode, is LangGraph's own (its fallback is a transaction)."""
+            if not pipeline or not self.supports_pipeline:
+                async with super()._cursor(pipeline=pipeline) as cursor:
                     yield cursor
                 return
             from langgraph.checkpoint.postgres import _ainternal
