@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from anchors import PROMPT, bare_graph, postgres_saver  # noqa: E402
+from listing import ORIGINAL_LISTING as SQLITE_ORIGINAL_LISTING  # noqa: E402
 from steps import TURNS, _turns, run_kit  # noqa: E402
 
 from sophos_lab.lab import postgres_server  # noqa: E402
@@ -87,14 +88,7 @@ CREATE TABLE runs (
 );
 CREATE INDEX runs_by_conversation ON runs (conversation_id, started_at);
 """
-ORIGINAL_LISTING = """
-SELECT c.id, c.title, c.created_at, c.updated_at, c.message_count,
-       r.status, r.error_code, r.error_message
-FROM conversations c
-LEFT JOIN runs r ON r.id = (
-    SELECT id FROM runs WHERE conversation_id = c.id ORDER BY started_at DESC, ctid DESC LIMIT 1
-)
-ORDER BY c.updated_at DESC"""
+ORIGINAL_LISTING = SQLITE_ORIGINAL_LISTING.replace("rowid DESC", "ctid DESC")
 
 
 # --- time per step -----------------------------------------------------------------------------
