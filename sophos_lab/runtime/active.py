@@ -52,11 +52,14 @@ class ActiveRun:
     """Stopped for running longer than its steps can take (`AgentService.overdue_seconds`)."""
     before: str | None = None
     """The status of the conversation's run before this one, if its starter read it (None: not read)."""
+    owner: tuple[str | None] | None = None
+    """`(user id,)` of the conversation's owner (`users`), if its starter read it with the
+    conversation (None: not read; the run reads it as it begins)."""
     input_ids: str | None = None
+    """`runs.input` once the thread holds the run's messages (`models.carried_ids`); None: a resume."""
     input_saved: bool = False
     """A `loop` checkpoint of this run is committed, so its messages are in the thread (its input
     checkpoint holds them only in `__start__`, and a fold's checkpoint is another run's)."""
-    """`runs.input` once the thread holds the run's messages (`models.carried_ids`); None: a resume."""
     _signal: asyncio.Event = field(default_factory=asyncio.Event)
 
     def checkpoint_listener(self, saved: Callable[[int], None]) -> Callable[[dict[str, Any]], None]:

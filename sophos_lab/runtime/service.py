@@ -126,12 +126,11 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
 
     async def _chat(self, text: str, conversation_id: str | None, keyed: IdempotencyKey | None) -> ActiveRun:
         self._check_accepting()
-        if conversation_id is None:
-            conversation_id, new = str(uuid.uuid4()), True
-        else:
-            conversation_id, new = (await self._existing(conversation_id)).id, False
+        if new := conversation_id is None:  # the conversation is written with the run, the acting user's
+            conversation_id, latest, owner = str(uuid.uuid4()), None, users.acting_user.get()
+        else:  # the latest run read once, used thrice
+            conversation_id, latest, owner = await self.store.before_message(conversation_id)
         self._check_idle(conversation_id)
-        latest = None if new else await self.store.latest_run(conversation_id)  # read once, used thrice
         if latest is not None and latest.status == "waiting":
             await self._check_not_waiting(conversation_id)
         check_config(self.settings)  # a bad mcp.json or system.md is refused with nothing written
@@ -140,7 +139,7 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         carried = [] if latest is None else await self._carried_input(conversation_id, latest)
         messages = [*carried, {"id": str(uuid.uuid4()), "content": text}]
         return await self._launch(conversation_id, messages, resume=False, title=text if new else None,
-                                  idempotency=keyed, before=latest.status if latest else None)
+                                  idempotency=keyed, before=latest.status if latest else None, owner=(owner,))
 
     async def resume(self, conversation: object, idempotency_key: str | IdempotencyKey | None = None) -> ActiveRun:
         """Start a run that continues the thread from its latest checkpoint (`idempotency_key`
@@ -351,6 +350,7 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None,
         idempotency: IdempotencyKey | None = None, command: Command | None = None,
         decision: tuple[Gate, dict[str, dict]] | None = None, before: str | None = None,
+        owner: tuple[str | None] | None = None,
     ) -> ActiveRun:
         """Write the run (with its messages, key and gate decision), then publish `started` and
         run the graph: with the messages, or `command` (a gate's decisions), or from `next`.
@@ -359,7 +359,7 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         if self.settings.on_workers:
             return await self._queue(conversation_id, messages, resume, title, idempotency, decision)
         run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume,
-                        keep=self.settings.event_buffer, input_ids=carried_ids(messages), before=before)
+                        keep=self.settings.event_buffer, input_ids=carried_ids(messages), before=before, owner=owner)
 
         async def start() -> None:
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
@@ -376,9 +376,7 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         await self._write(start)
         self._keep_lease()
         run.publish("started", {"conversation": conversation_id, "run": run.id, "resume": resume})
-        graph_input = command
-        if messages:
-            graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in messages]}
+        graph_input = {"messages": [HumanMessage(m["content"], id=m["id"]) for m in messages]} if messages else command
         # New input on a thread that has runs: a step they left unfolded is checkpointed first.
         fold = bool(messages) and title is None
         run.task = asyncio.create_task(self._execute(run, self._graph, graph_input, fold))
@@ -450,9 +448,10 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         try:
             # The conversation's owner's own MCP servers serve its tools (a memory of theirs only);
             # the owner comes from the row, never from the model.
-            self._point("owner")
-            owner = await users.owner_of(self.store, run.conversation)
-            users.run_owner.set(owner)
+            if run.owner is None:
+                self._point("owner")
+                run.owner = (await users.owner_of(self.store, run.conversation),)
+            users.run_owner.set(owner := run.owner[0])
             self._point("budget")
             budget = await users.step_budget(self.store, owner, self.settings.user_limits,
                                              self.settings.recursion_limit, utc_now())

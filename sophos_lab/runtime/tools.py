@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import re
 import sys
 import time
+from collections import ChainMap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,15 +86,21 @@ def user_memory_path(settings: Settings, user: str) -> Path:
     return settings.memory_file_path.parent / "users" / user / settings.memory_file_path.name
 
 
-def kit_variables(settings: Settings, user: str | None = None) -> dict[str, str]:
-    """The `${VAR}` values the kit supplies on top of the environment: for a user's servers
-    (`user`, an id), `MEMORY_FILE_PATH` is that user's file and `SOPHOS_LAB_USER` its id."""
+@functools.cache
+def _kit_paths() -> tuple[Path, Path]:
+    """The kit's root, and the Python that runs the fetch server (looked up once: a run reads
+    `mcp.json` a few times a turn)."""
     root = Path(__file__).resolve().parents[2]
     # A venv of its own starts the fetch server in about 1 s instead of 4: the kit's venv
     # makes it import jupyter's jsonschema format checkers. Without one, ours serves.
     fetch_python = root / ".tools" / "fetch" / "bin" / "python"
-    if not fetch_python.exists():
-        fetch_python = Path(sys.executable)
+    return root, fetch_python if fetch_python.exists() else Path(sys.executable)
+
+
+def kit_variables(settings: Settings, user: str | None = None) -> dict[str, str]:
+    """The `${VAR}` values the kit supplies on top of the environment: for a user's servers
+    (`user`, an id), `MEMORY_FILE_PATH` is that user's file and `SOPHOS_LAB_USER` its id."""
+    root, fetch_python = _kit_paths()
     return {
         "MEMORY_FILE_PATH": str(settings.memory_file_path if user is None else user_memory_path(settings, user)),
         "SOPHOS_LAB_USER": user or "",
@@ -155,7 +163,8 @@ def read_config_file(path: Path, what: str) -> str:
 def mcp_servers(settings: Settings, user: str | None = None) -> list[ServerConfig]:
     """The servers of `settings`' `mcp.json`, with `${VAR}` from the environment and the kit
     (a user's values, for `user`)."""
-    return load_mcp_config(settings.mcp_config_path, {**os.environ, **kit_variables(settings, user)})
+    # Looked up only for the `${VAR}`s the file names: copying the environment costs more.
+    return load_mcp_config(settings.mcp_config_path, ChainMap(kit_variables(settings, user), os.environ))
 
 
 def load_mcp_config(path: Path, variables: Mapping[str, str]) -> list[ServerConfig]:

@@ -6,15 +6,26 @@ fragments in braces where the two dialects differ (`{seq}`: SQLite's `rowid`, Po
 connection, so no call that waits on the database runs on the event loop's thread. A unique
 constraint that the rules decide by comes back as a neutral `Conflict`, whatever the driver
 called it.
+
+A rule that runs several statements in a row without waiting for anything else between them
+writes them as a `Plan`: on SQLite they then cost one hand-over to the connection's thread.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 Params = Mapping[str, Any] | None
+T = TypeVar("T")
+
+Plan = Callable[["Tx"], Awaitable[T]]
+"""A transaction's (or a read's) statements as one function of its `Tx`, for `transact` and
+`read` on a backend. A plan awaits its statements and nothing else, so a backend may run it whole
+where its connection lives: SQLite runs it in the connection's thread, one hand-over to that
+thread in all where each statement was one; PostgreSQL runs it on the event loop, a round trip a
+statement, as any transaction."""
 
 
 class Conflict(Exception):

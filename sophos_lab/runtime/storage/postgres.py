@@ -44,7 +44,7 @@ from psycopg.rows import dict_row, tuple_row
 from ..checkpointer import Notifying
 from ..errors import CONFIG_ERROR, DATABASE_UNAVAILABLE, SCHEMA_TOO_NEW, STORAGE_FULL, SophosError
 from . import postgres_queue
-from .connector import Conflict, Dialect, Params, Tx
+from .connector import Conflict, Dialect, Params, Plan, T, Tx
 from .postgres_retention import PostgresRetention
 from .postgres_schema import MIGRATION_LOCK, MIGRATIONS, SCHEMA_VERSION
 
@@ -183,6 +183,15 @@ class PostgresConnector:
     async def reading(self) -> AsyncIterator[Tx]:
         async with self.connection() as conn:
             yield PostgresTx(conn)
+
+    async def transact(self, plan: Plan[T]) -> T:
+        """`plan` in one transaction (see `transaction`): a round trip a statement, as any."""
+        async with self.transaction() as tx:
+            return await plan(tx)
+
+    async def read(self, plan: Plan[T]) -> T:
+        async with self.reading() as tx:
+            return await plan(tx)
 
     @contextlib.asynccontextmanager
     async def thread_reader(self) -> AsyncIterator[Any]:

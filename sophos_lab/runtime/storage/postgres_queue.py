@@ -177,11 +177,14 @@ class QueueStorage(Storage):
         """As `start_run`, for a worker to claim (PostgreSQL, `queue`): the run `queued`, owned by
         no one, with its `started` event; the workers are woken once it is committed."""
         await self._recover(conversation_id, users.acting_user.get())
-        async with self._starting(idempotency) as tx:
+
+        async def queue(tx: Tx) -> None:
             await users.check_limits(tx, "queued", self.limits, utc_now())
             await self._insert_run(tx, run_id, conversation_id, "queued", None, input_messages, title,
                                    idempotency, decision)
             await queue_started(tx, run_id, conversation_id, resume)
+
+        await self._starting(idempotency, queue)
 
     async def claim_run(self) -> Run | None:
         """The next queued run in fair order, now this owner's and `running`; None if none may be claimed."""

@@ -32,10 +32,10 @@ from typing import Any
 
 from .. import users
 from ..counting import thread_count
-from ..errors import (CANCELLED, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, SESSION_IN_PROGRESS,
-                      STORAGE_FULL, SophosError)
+from ..errors import (CANCELLED, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, NOT_FOUND,
+                      SESSION_IN_PROGRESS, STORAGE_FULL, SophosError)
 from ..ownership import Owner, owner_gone
-from .connector import Conflict, Tx
+from .connector import Conflict, Plan, T, Tx
 from .models import (PAGE_SIZE, CONVERSATION_FIELDS, Conversation, ConversationPage, Gate, IdempotencyKey, KeyedRun,
                      ListingPosition, Run, conversations_of, encode_cursor, gate_of, run_of, title_from_message,
                      utc_now)
@@ -191,6 +191,15 @@ class Storage:
         await self.open()
         async with self.db.reading() as tx:
             yield tx
+
+    async def _transact(self, plan: Plan[T]) -> T:
+        """`plan` in one write transaction (opened first): on SQLite, one hand-over in all."""
+        await self.open()
+        return await self.db.transact(plan)
+
+    async def _read(self, plan: Plan[T]) -> T:
+        await self.open()
+        return await self.db.read(plan)
 
     # ownership and recovery
 
@@ -366,6 +375,25 @@ class Storage:
             rows = await tx.tuples(_LISTING + " WHERE c.id = :id" + where, {"id": conversation_id, **params})
         return conversations_of(row[1:] for row in rows)[0] if rows else None
 
+    async def before_message(self, conversation_id: str) -> tuple[str, Run | None, str | None]:
+        """What a new message in the conversation needs, read at once: its id, its latest run and
+        its owner's id (`users`); `NOT_FOUND` unless it is the acting user's (as `get_conversation`)."""
+        where, params = users.mine()
+
+        async def look(tx: Tx) -> tuple[str, Run | None, str | None] | None:
+            owner = await tx.tuples("SELECT c.id, c.user_id FROM conversations c WHERE c.id = :id" + where,
+                                    {"id": conversation_id, **params})
+            if not owner:
+                return None
+            latest = await tx.row("SELECT * FROM runs WHERE conversation_id = :id ORDER BY {seq} DESC LIMIT 1",
+                                  {"id": conversation_id})
+            return owner[0][0], run_of(latest), owner[0][1]
+
+        found = await self._read(look)
+        if found is None:
+            raise SophosError(NOT_FOUND, f"Conversation Not Found: {conversation_id}")
+        return found
+
     async def list_conversations(self) -> list[Conversation]:
         """Every conversation (the acting user's), most recently updated first (unbounded: see
         `conversation_page`)."""
@@ -406,22 +434,33 @@ class Storage:
         An active run on the conversation makes the database refuse the row (a partial unique
         index: `SESSION_IN_PROGRESS`, whichever process or host tries); one of a gone owner is
         relabelled first, as are the acting user's: a crashed run holds no place in their limit.
-        A key already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`); a gate decided
+        The transaction looks for those itself, so the common case (none) is one plan; the
+        relabelling reads the thread, so it runs apart, before the start is tried again. A key
+        already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`); a gate decided
         meanwhile (by another process) refuses it too (`GATE_DECIDED`). On a full disk it is
         refused with `STORAGE_FULL` and nothing of it is written.
         """
-        await self._recover(conversation_id, users.acting_user.get())
-        async with self._starting(idempotency) as tx:
+        user = users.acting_user.get()
+
+        async def start(tx: Tx, look: bool) -> bool:
+            if look and await stale_runs(tx, self.owner, conversation_id, user):
+                return False
             await self._lease(tx)
             await users.check_limits(tx, "running", self.limits, utc_now())
             await self._insert_run(tx, run_id, conversation_id, "running", self.owner.id, input_messages, title,
                                    idempotency, decision)
+            return True
 
-    @contextlib.asynccontextmanager
-    async def _starting(self, idempotency: IdempotencyKey | None) -> AsyncIterator[Tx]:
+        await self.open()
+        look = not self.single_owner and not self._sweep_pending
+        if not look or not await self._starting(idempotency, lambda tx: start(tx, look=True)):
+            await self._recover(conversation_id, user)
+            await self._starting(idempotency, lambda tx: start(tx, look=False))
+
+    async def _starting(self, idempotency: IdempotencyKey | None, plan: Plan[T]) -> T:
+        """`plan` in one transaction, a refused key or active run as the error a caller is given."""
         try:
-            async with self.transaction() as tx:
-                yield tx
+            return await self._transact(plan)
         except Conflict as conflict:
             if conflict.what == "idempotency_key":
                 raise SophosError(IDEMPOTENCY_KEY_REUSED,
@@ -480,7 +519,8 @@ class Storage:
         mine = "" if self.single_owner else " AND status = 'running' AND owner_id = :me"
         if self.single_owner:  # another process may fork the thread past this run: keep the text
             input_ids = None
-        async with self.transaction() as tx:
+
+        async def finish(tx: Tx) -> bool:
             updated = await tx.execute(
                 "UPDATE runs SET status = :status, error_code = :code, error_message = :message, finished_at = :now,"
                 " steps = steps + :steps, input = coalesce(:input_ids, input) WHERE id = :run_id" + mine
@@ -498,7 +538,9 @@ class Storage:
                     " ON CONFLICT (conversation_id, id) DO UPDATE SET run_id = excluded.run_id",
                     {"id": gate.id, "conversation_id": gate.conversation_id, "run_id": run_id,
                      "calls": json.dumps(gate.calls, ensure_ascii=False), "now": now})
-        return bool(updated)
+            return bool(updated)
+
+        return await self._transact(finish)
 
     async def request_cancel(self, run_id: str) -> bool:
         """Write that the run is to be cancelled, while it is still this owner's and `running`;

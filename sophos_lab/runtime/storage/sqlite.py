@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import json
 import sqlite3
@@ -31,7 +32,7 @@ from typing import Any
 import aiosqlite
 
 from ..errors import CONFIG_ERROR, SCHEMA_TOO_NEW, STORAGE_FULL, SophosError
-from .connector import Conflict, Dialect, Params, Tx
+from .connector import Conflict, Dialect, Params, Plan, T, Tx
 from .sqlite_retention import SqliteRetention
 from .sqlite_schema import MIGRATIONS, SCHEMA_VERSION
 
@@ -93,37 +94,88 @@ def too_new(path: Path, version: int) -> SophosError:
 class SqliteTx(Tx):
     """Statements on one aiosqlite connection; a list parameter goes as JSON (`{in_ids}`)."""
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.dialect = DIALECT
 
-    async def _call(self, call: Callable[..., Awaitable[Any]], sql: str, params: Params) -> Any:
-        values = {name: json.dumps(list(value)) if isinstance(value, (list, tuple, set, frozenset)) else value
-                  for name, value in (params or {}).items()}
-        try:
-            return await call(DIALECT.prepare(sql), values)
-        except sqlite3.IntegrityError as error:
-            if "idempotency_keys.key" in str(error):
-                raise Conflict("idempotency_key", error) from error
-            if "one_running_run_per_conversation" in str(error) or "runs.conversation_id" in str(error):
-                raise Conflict("active_run", error) from error
-            raise
+    async def _run(self, fetch: bool, sql: str, params: Params) -> Any:
+        """The statement's cursor, or with `fetch` its rows. A read is one trip to the
+        connection's thread (`execute_fetchall`), not two: each trip costs about 0.1 ms of
+        thread hand-over."""
+        with _conflicts():
+            call = self.conn.execute_fetchall if fetch else self.conn.execute
+            return await call(DIALECT.prepare(sql), _values(params))
 
     async def execute(self, sql: str, params: Params = None) -> int:
-        return (await self._call(self.conn.execute, sql, params)).rowcount
+        return (await self._run(False, sql, params)).rowcount
 
-    # A read is one trip to the connection's thread (`execute_fetchall`), not two: each trip
-    # costs about 0.1 ms of thread hand-over, a dozen times a turn.
     async def rows(self, sql: str, params: Params = None) -> list[dict[str, Any]]:
-        found = await self._call(self.conn.execute_fetchall, sql, params)
-        return [dict(zip(row.names, row)) for row in found]
+        return [dict(zip(row.names, row)) for row in await self._run(True, sql, params)]
 
     async def tuples(self, sql: str, params: Params = None) -> list[tuple]:
-        return list(await self._call(self.conn.execute_fetchall, sql, params))
+        return list(await self._run(True, sql, params))
 
     async def has_table(self, name: str) -> bool:
         return await self.value("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :name",
                                 {"name": name}) is not None
+
+
+class _ThreadTx(SqliteTx):
+    """The same statements on the `sqlite3` connection itself, in its own thread: what a `Plan`
+    is given there (its awaits never suspend)."""
+
+    async def _run(self, fetch: bool, sql: str, params: Params) -> Any:
+        with _conflicts():
+            cursor = self.conn.execute(DIALECT.prepare(sql), _values(params))
+            return cursor.fetchall() if fetch else cursor
+
+
+def _values(params: Params) -> dict[str, Any]:
+    return {name: json.dumps(list(value)) if isinstance(value, (list, tuple, set, frozenset)) else value
+            for name, value in (params or {}).items()}
+
+
+@contextlib.contextmanager
+def _conflicts() -> Iterator[None]:
+    """A unique constraint the rules decide by, as the neutral `Conflict`."""
+    try:
+        yield
+    except sqlite3.IntegrityError as error:
+        if "idempotency_keys.key" in str(error):
+            raise Conflict("idempotency_key", error) from error
+        if "one_running_run_per_conversation" in str(error) or "runs.conversation_id" in str(error):
+            raise Conflict("active_run", error) from error
+        raise
+
+
+def _drive(plan: Plan[T], tx: Tx) -> T:
+    """Run `plan` to its end here, in the connection's thread: each of its awaits is a statement
+    that returns at once, so the coroutine never suspends; one that does awaited something else."""
+    coroutine = plan(tx)
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("a plan awaited something other than its statements")
+
+
+def _in_transaction(conn: aiosqlite.Connection, plan: Plan[T]) -> T:
+    """`plan` in one write transaction, in the connection's thread."""
+    raw = conn._conn
+    raw.execute("BEGIN IMMEDIATE")
+    try:
+        result = _drive(plan, _ThreadTx(raw))
+        raw.execute("COMMIT")
+    except BaseException:
+        if raw.in_transaction:  # SQLite may have rolled it back already (SQLITE_FULL)
+            raw.execute("ROLLBACK")
+        raise
+    return result
+
+
+def _reading(conn: aiosqlite.Connection, plan: Plan[T]) -> T:
+    return _drive(plan, _ThreadTx(conn._conn))
 
 
 class SqliteConnector:
@@ -191,6 +243,23 @@ class SqliteConnector:
     async def reading(self) -> AsyncIterator[Tx]:
         with full_disk_refused(self.path):
             yield SqliteTx(self._reader)
+
+    # aiosqlite runs each call it is given in the connection's thread (`_execute`, which every
+    # one of its own methods goes through); a plan goes there whole, with the caller's context
+    # (the acting user), instead of one hand-over a statement.
+
+    async def transact(self, plan: Plan[T]) -> T:
+        """`plan` in one write transaction (see `transaction`), in one hand-over."""
+        context = contextvars.copy_context()
+        async with self._writing:
+            with full_disk_refused(self.path):
+                return await self._writer._execute(context.run, _in_transaction, self._writer, plan)
+
+    async def read(self, plan: Plan[T]) -> T:
+        """`plan`'s reads, in one hand-over to the read connection's thread."""
+        context = contextvars.copy_context()
+        with full_disk_refused(self.path):
+            return await self._reader._execute(context.run, _reading, self._reader, plan)
 
     @contextlib.asynccontextmanager
     async def read_only(self) -> AsyncIterator[Tx | None]:

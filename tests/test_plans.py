@@ -1,0 +1,113 @@
+"""A plan: a transaction's statements as one function, which SQLite runs whole in its
+connection's thread (one hand-over instead of one a statement) and PostgreSQL as any transaction.
+
+On both backends a plan is all or nothing and sees the acting user; on SQLite a plan that
+awaits anything but its statements is refused, before anything of it is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import pytest
+
+from sophos_lab.runtime import users
+from sophos_lab.runtime.settings import Settings
+from sophos_lab.runtime.storage import open_storage
+from sophos_lab.runtime.storage.connector import Tx
+
+pytestmark = pytest.mark.both_backends
+
+
+@pytest.fixture
+def opened(database):
+    """`async with opened() as store:` this test's app tables, open."""
+    @contextlib.asynccontextmanager
+    async def opening():
+        store = open_storage(Settings.from_env(database))
+        await store.open()
+        try:
+            yield store
+        finally:
+            await store.aclose()
+    return opening
+
+
+async def conversation_ids(store) -> list[str]:
+    async with store.reading() as tx:
+        return [row[0] for row in await tx.tuples("SELECT id FROM conversations ORDER BY id")]
+
+
+async def add_conversation(tx: Tx, conversation_id: str, user: str | None = None) -> None:
+    await tx.execute("INSERT INTO conversations (id, title, created_at, updated_at, user_id)"
+                     " VALUES (:id, 'a plan', '2026-12-04', '2026-12-04', :user)", {"id": conversation_id, "user": user})
+
+
+async def test_a_plan_commits_its_statements_together(opened):
+    async with opened() as storage:
+        async def plan(tx: Tx) -> int:
+            await add_conversation(tx, "c1")
+            await add_conversation(tx, "c2")
+            return await tx.value("SELECT count(*) FROM conversations")
+
+        assert await storage.db.transact(plan) == 2
+        assert await conversation_ids(storage) == ["c1", "c2"]
+
+
+async def test_a_plan_that_fails_halfway_writes_nothing(opened):
+    async with opened() as storage:
+        async def plan(tx: Tx) -> None:
+            await add_conversation(tx, "c1")
+            raise ValueError("the second statement never comes")
+
+        with pytest.raises(ValueError, match="never comes"):
+            await storage.db.transact(plan)
+        assert await conversation_ids(storage) == []
+
+
+async def test_a_plan_sees_the_acting_user_of_its_caller(opened):
+    async with opened() as storage:
+        async def add(tx: Tx) -> None:
+            await tx.execute("INSERT INTO users (id, name, token_hash, created_at) VALUES ('u1', 'ada', 'h', 'now')")
+            await add_conversation(tx, "mine", user="u1")
+            await add_conversation(tx, "theirs")
+
+        async def visible(tx: Tx) -> list[str]:
+            where, params = users.mine()
+            return [row[0] for row in await tx.tuples("SELECT c.id FROM conversations c WHERE true" + where, params)]
+
+        await storage.db.transact(add)
+        token = users.acting_user.set("u1")
+        try:
+            assert await storage.db.read(visible) == ["mine"]
+        finally:
+            users.acting_user.reset(token)
+        assert sorted(await storage.db.read(visible)) == ["mine", "theirs"]
+
+
+@pytest.mark.sqlite_only
+async def test_on_sqlite_a_plan_runs_whole_off_the_loop_s_thread(opened):
+    async with opened() as storage:
+        threads: list[int] = []
+
+        async def plan(tx: Tx) -> None:
+            threads.append(threading.get_ident())
+            await add_conversation(tx, "c1")
+            threads.append(threading.get_ident())
+
+        await storage.db.transact(plan)
+        assert len(set(threads)) == 1 and threads[0] != threading.get_ident()
+
+
+@pytest.mark.sqlite_only
+async def test_on_sqlite_a_plan_that_awaits_anything_else_is_refused_and_writes_nothing(opened):
+    async with opened() as storage:
+        async def plan(tx: Tx) -> None:
+            await add_conversation(tx, "c1")
+            await asyncio.sleep(0)  # not a statement: it would need the event loop, in another thread
+
+        with pytest.raises(RuntimeError, match="awaited something other than its statements"):
+            await storage.db.transact(plan)
+        assert await conversation_ids(storage) == []
