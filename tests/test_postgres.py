@@ -151,6 +151,36 @@ def test_a_saver_whose_process_does_not_own_the_run_writes_nothing(url):
     intruder.close()
 
 
+def test_a_saver_write_whose_last_statement_fails_leaves_none_of_its_statements(url):
+    """A checkpoint is its blobs, then its row, sent in one pipeline without BEGIN: the statements
+    up to the pipeline's sync are one transaction, so a row the database refuses (here a trigger
+    of the test's) takes the blobs written before it along."""
+    owner = store_at(url)
+    owner.start_run("r-1", "c-1", [{"id": "m-1", "content": "hello"}], title="hello")
+    query(url, "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS"
+               " $$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$")
+    query(url, "CREATE TRIGGER refuse BEFORE INSERT ON checkpoints FOR EACH ROW EXECUTE FUNCTION refuse()")
+    config = {"configurable": {"thread_id": "c-1", "checkpoint_ns": ""}}
+    checkpoint = {**empty_checkpoint(), "channel_values": {"messages": ["a blob, not a primitive"]},
+                  "channel_versions": {"messages": 1}}
+
+    async def put():
+        pool, saver = await postgres.open_saver(url, owner.owner.id)
+        try:
+            return await saver.aput(config, checkpoint, {"step": -1}, {"messages": 1})
+        finally:
+            await pool.close()
+
+    with pytest.raises(psycopg.errors.RaiseException, match="refused by the test"):
+        asyncio.run(put())
+    assert query(url, "SELECT count(*) FROM checkpoint_blobs") == [(0,)]
+    query(url, "DROP TRIGGER refuse ON checkpoints")
+    asyncio.run(put())
+    assert query(url, "SELECT count(*) FROM checkpoints") == [(1,)]
+    assert query(url, "SELECT count(*) FROM checkpoint_blobs") == [(1,)]
+    owner.close()
+
+
 def test_two_owners_starting_a_run_on_one_conversation_at_once_start_one(url):
     stores = [store_at(url) for _ in range(2)]
     stores[0].create_conversation("c-1", "hello")

@@ -18,11 +18,11 @@ What differs from SQLite, and only that, is here and in `postgres_schema` and `p
   that run's row (`FOR SHARE`) until the insert commits, so a takeover waits for a write that
   got in first and refuses every one after. A connection without the setting (the app tables',
   a read-only view, a plain saver) is not fenced, as a connection without SQLite's TEMP triggers is not.
-- **One transaction per saver write, pipelined.** LangGraph's saver pipelines an autocommit
-  connection, which commits each statement of a write on its own: a task's pending writes could
-  be cut in half. Here every checkpoint and every task's writes is one transaction, sent as a
-  pipeline (`BEGIN`, the statements and `COMMIT` without waiting for each other: two or three
-  round trips a write, where it was one a statement).
+- **One transaction per saver write: LangGraph's own pipeline.** The saver sends each write's
+  statements as one pipeline with no `BEGIN`, and PostgreSQL runs the statements up to a
+  pipeline's sync as one transaction: a write is all or nothing, in one round trip
+  (`tests/test_postgres.py` makes a write's last statement fail). The pool lends a connection
+  after a look at its socket, not an empty query.
 
 The app tables' connections are kept for reuse, a few at a time, and each is looked at before
 use: one the server hung up on (a restart) is replaced, and one that cannot be made is
@@ -236,6 +236,16 @@ def _usable(conn: psycopg.AsyncConnection) -> bool:
     return not readable
 
 
+async def _check_usable(conn: psycopg.AsyncConnection) -> None:
+    """psycopg_pool's check before it lends a connection, without the round trip of its own
+    (`check_connection`, an empty query: eight a turn): one the server hung up on is closed
+    and refused, and the pool lends another or connects again. (Closed first: libpq has not
+    read the hang-up yet, and the pool would take back a connection it still thinks good.)"""
+    if not _usable(conn):
+        await conn.close()
+        raise psycopg.OperationalError("the server closed the connection")
+
+
 async def _schema_version(conn: psycopg.AsyncConnection) -> int:
     """The highest kit migration applied; 0 on a database the kit never opened."""
     if (await (await conn.execute("SELECT to_regclass('sophos_migrations') AS t")).fetchone())["t"] is None:
@@ -303,21 +313,6 @@ def _notifying_saver_class():
             super().__init__(conn, **kwargs)
             self._notifying(lock)
 
-        @contextlib.asynccontextmanager
-        async def _cursor(self, *, pipeline: bool = False) -> AsyncIterator[Any]:
-            """A write (`pipeline=True`) is one transaction, pipelined: its statements go
-            without waiting for each other and commit together (see the module); a read, or a
-            libpq without pipeline mode, is LangGraph's own (its fallback is a transaction)."""
-            if not pipeline or not self.supports_pipeline:
-                async with super()._cursor(pipeline=pipeline) as cursor:
-                    yield cursor
-                return
-            from langgraph.checkpoint.postgres import _ainternal
-
-            async with self.lock, _ainternal.get_connection(self.conn) as conn:
-                async with conn.pipeline(), conn.transaction(), conn.cursor(binary=True, row_factory=dict_row) as cursor:
-                    yield cursor
-
     return NotifyingPostgresSaver
 
 
@@ -331,7 +326,7 @@ async def open_saver(url: str, owner_id: str | None, lock: asyncio.Lock | None =
             await conn.execute("SELECT set_config('sophos.owner_id', %s, false)", (owner_id,))
 
     pool = AsyncConnectionPool(
-        url, min_size=1, max_size=4, open=False, configure=configure, check=AsyncConnectionPool.check_connection,
+        url, min_size=1, max_size=4, open=False, configure=configure, check=_check_usable,
         reconnect_timeout=RECONNECT_SECONDS,
         kwargs={"autocommit": True, "row_factory": dict_row, "prepare_threshold": None, "options": SESSION_OPTIONS},
     )
