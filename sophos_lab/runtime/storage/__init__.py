@@ -1,8 +1,8 @@
 """The application's tables, on SQLite or PostgreSQL, behind one async seam.
 
-Read in this order: `models` (what the tables hold), `rules` (`Storage`: every rule, once),
-`connector` (what a backend gives the rules), then the backends, `sqlite` and `postgres` (with
-their schemas, and PostgreSQL's queue). `blocking` runs a `Storage` for code that is not async
+Read in this order: `models` (what the tables hold), `rules` (`Storage`: every rule, once; its
+plain reads of runs, keys and gates in `reads`), `connector` (what a backend gives the rules),
+then the backends, `sqlite` and `postgres` (with their schemas, and PostgreSQL's queue). `blocking` runs a `Storage` for code that is not async
 (the CLI, the lab's helpers in a notebook cell).
 """
 
