@@ -72,6 +72,12 @@ class Tx:
     async def execute(self, sql: str, params: Params = None) -> int:
         raise NotImplementedError
 
+    async def send(self, sql: str, params: Params = None) -> None:
+        """A statement whose result nobody reads: a backend may send it without waiting for it
+        (PostgreSQL pipelines it), so its error, if any, may come at the next statement that
+        is waited for, or at the commit."""
+        await self.execute(sql, params)
+
     async def rows(self, sql: str, params: Params = None) -> list[dict[str, Any]]:
         raise NotImplementedError
 

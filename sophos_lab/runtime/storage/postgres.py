@@ -66,6 +66,8 @@ DIALECT = Dialect("postgres", {
     "seq": "seq",
     "latest_run": "LEFT JOIN LATERAL (SELECT status, error_code, error_message FROM runs"
                   " WHERE conversation_id = c.id ORDER BY seq DESC LIMIT 1) r ON true",
+    "latest_run_row": "LEFT JOIN LATERAL (SELECT * FROM runs WHERE conversation_id = c.id ORDER BY seq DESC LIMIT 1)"
+                      " r ON true",
     "lease_until": "now() + make_interval(secs => :lease_seconds)",
     # What the database's clock leaves of the lease: it runs out here exactly when it does there.
     "lease_left": "EXTRACT(EPOCH FROM o.lease_expires_at - now())::float8",
@@ -81,26 +83,45 @@ DIALECT = Dialect("postgres", {
 _CONSTRAINTS = {"idempotency_keys_pkey": "idempotency_key", "one_active_run_per_conversation": "active_run"}
 
 
+@contextlib.contextmanager
+def _conflicts() -> Iterator[None]:
+    """A unique constraint the rules decide by, as the neutral `Conflict`."""
+    try:
+        yield
+    except psycopg.errors.UniqueViolation as error:
+        if (what := _CONSTRAINTS.get(error.diag.constraint_name)) is not None:
+            raise Conflict(what, error) from error
+        raise
+
+
 def is_postgres_url(url: str | None) -> bool:
     return bool(url) and url.split(":", 1)[0] in ("postgres", "postgresql")
 
 
 class PostgresTx(Tx):
-    """Statements on one psycopg async connection (dict rows; `tuples` by position)."""
+    """Statements on one psycopg async connection (dict rows; `tuples` by position). Inside a
+    transaction they go as a pipeline: a statement whose result is read waits for it (and for
+    those sent before it), one that is only `send` does not."""
 
-    def __init__(self, conn: psycopg.AsyncConnection) -> None:
+    def __init__(self, conn: psycopg.AsyncConnection, pipeline: psycopg.AsyncPipeline | None = None) -> None:
         self.conn = conn
+        self.pipeline = pipeline
         self.dialect = DIALECT
 
     async def _cursor(self, sql: str, params: Params, row_factory: Any = dict_row) -> psycopg.AsyncCursor:
         cursor = self.conn.cursor(row_factory=row_factory)
-        try:
+        with _conflicts():
             await cursor.execute(DIALECT.prepare(sql), params or {})
-        except psycopg.errors.UniqueViolation as error:
-            if (what := _CONSTRAINTS.get(error.diag.constraint_name)) is not None:
-                raise Conflict(what, error) from error
-            raise
+            if self.pipeline is not None:
+                await self.pipeline.sync()  # its result is read: not a commit, the transaction goes on
         return cursor
+
+    async def send(self, sql: str, params: Params = None) -> None:
+        if self.pipeline is None:
+            await self.execute(sql, params)
+            return
+        with _conflicts():
+            await self.conn.cursor().execute(DIALECT.prepare(sql), params or {})
 
     async def execute(self, sql: str, params: Params = None) -> int:
         return (await self._cursor(sql, params)).rowcount
@@ -168,14 +189,15 @@ class PostgresConnector:
     @contextlib.asynccontextmanager
     async def transaction(self, rollback: bool = False) -> AsyncIterator[Tx]:
         """One transaction, committed when the block ends (rolled back with `rollback`), rolled
-        back when it raises. Not pipelined: in a pipeline a statement's `rowcount` is not known
-        yet (-1), and the outcome, the cancel and the gate decision are decided by theirs."""
+        back when it raises. Pipelined (see `PostgresTx`): the statements sent without waiting
+        go with the next one waited for, or with the `COMMIT`."""
         async with self.connection() as conn:
             try:
-                async with conn.transaction():
-                    yield PostgresTx(conn)
-                    if rollback:
-                        raise psycopg.Rollback()  # leaves the block quietly: counted, nothing changed
+                with _conflicts():  # a statement sent without waiting is refused at the commit
+                    async with conn.pipeline() as pipeline, conn.transaction():
+                        yield PostgresTx(conn, pipeline)
+                        if rollback:
+                            raise psycopg.Rollback()  # leaves the block quietly: counted, nothing changed
             except psycopg.errors.DiskFull as error:
                 raise SophosError(STORAGE_FULL, f"The database server has no space left: {error}".strip()) from error
 

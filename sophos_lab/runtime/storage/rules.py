@@ -138,6 +138,8 @@ class Storage(RunReads):
         self._opening = asyncio.Lock()
         self._sweep_pending = False
         """The open could not write its owner row and recovery (a full disk): the next look writes them."""
+        self._leased_at: float | None = None
+        """When this owner's lease was last committed (the monotonic clock), if it was since the open."""
 
     @property
     def is_open(self) -> bool:
@@ -172,7 +174,7 @@ class Storage(RunReads):
         """Close; this owner's runs still `running` become recoverable at once."""
         if not self._open:
             return
-        self._open = False
+        self._open, self._leased_at = False, None
         with contextlib.suppress(Exception):  # closing anyway: the lease runs out instead
             async with self.db.transaction() as tx:
                 await tx.execute("DELETE FROM owners WHERE id = :id", {"id": self.owner.id})
@@ -205,15 +207,23 @@ class Storage(RunReads):
 
     async def _lease(self, tx: Tx) -> None:
         owner, seconds = self.owner, self.lease_seconds
-        await tx.execute(_LEASE, {
+        await tx.send(_LEASE, {
             "id": owner.id, "host": owner.host, "boot_id": owner.boot_id, "pid": owner.pid,
             "pid_started": owner.pid_started, "opened_at": utc_now(), "lease_seconds": seconds,
             "wall_expiry": time.time() + seconds, "monotonic": time.monotonic() + seconds})
 
+    def _lease_due(self) -> bool:
+        """Whether a run's start writes the lease too: unless it was committed less than a third
+        of a lease ago. It then has two thirds left when the lease keeper, which renews it every
+        third while runs are active, takes over."""
+        return self._leased_at is None or time.monotonic() - self._leased_at > self.lease_seconds / 3
+
     async def _open_sweep(self) -> None:
         """What an open writes: this owner's row, then the recovery of runs left `running`."""
+        leased_at = time.monotonic()
         async with self.db.transaction() as tx:
             await self._lease(tx)
+        self._leased_at = leased_at
         if self.single_owner:
             async with self.db.transaction() as tx:
                 running = [row["id"] for row in await tx.rows("SELECT id FROM runs WHERE status = 'running'")]
@@ -348,8 +358,10 @@ class Storage(RunReads):
 
     async def renew_lease(self, run_ids: list[str]) -> set[str]:
         """Extend this owner's lease; the ids among `run_ids` it no longer owns (taken over)."""
+        leased_at = time.monotonic()
         async with self.transaction() as tx:
             await self._lease(tx)
+        self._leased_at = leased_at
         if not run_ids:
             return set()
         async with self.db.reading() as tx:
@@ -381,13 +393,12 @@ class Storage(RunReads):
         where, params = users.mine()
 
         async def look(tx: Tx) -> tuple[str, Run | None, str | None] | None:
-            owner = await tx.tuples("SELECT c.id, c.user_id FROM conversations c WHERE c.id = :id" + where,
-                                    {"id": conversation_id, **params})
-            if not owner:
+            row = await tx.row(
+                "SELECT c.id AS the_conversation, c.user_id AS its_owner, r.* FROM conversations c {latest_run_row}"
+                " WHERE c.id = :id" + where, {"id": conversation_id, **params})
+            if row is None:
                 return None
-            latest = await tx.row("SELECT * FROM runs WHERE conversation_id = :id ORDER BY {seq} DESC LIMIT 1",
-                                  {"id": conversation_id})
-            return owner[0][0], run_of(latest), owner[0][1]
+            return row["the_conversation"], run_of(row) if row["id"] is not None else None, row["its_owner"]
 
         found = await self._read(look)
         if found is None:
@@ -433,29 +444,39 @@ class Storage(RunReads):
 
         An active run on the conversation makes the database refuse the row (a partial unique
         index: `SESSION_IN_PROGRESS`, whichever process or host tries); one of a gone owner is
-        relabelled first, as are the acting user's: a crashed run holds no place in their limit.
-        The transaction looks for those itself, so the common case (none) is one plan; the
-        relabelling reads the thread, so it runs apart, before the start is tried again. A key
-        already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`); a gate decided
-        meanwhile (by another process) refuses it too (`GATE_DECIDED`). On a full disk it is
-        refused with `STORAGE_FULL` and nothing of it is written.
+        relabelled first, and the start tried again. With a user acting, the transaction first
+        looks for the user's runs of gone owners (a crashed run holds no place in their limit);
+        without one, only the conversation's can be in the way, and the refusal finds it. The
+        relabelling reads the thread, so it runs apart. This owner's lease is written too,
+        unless it was a moment ago (`_lease_due`). A key already taken refuses the whole start
+        (`IDEMPOTENCY_KEY_REUSED`); a gate decided meanwhile (by another process) refuses it too
+        (`GATE_DECIDED`). On a full disk it is refused with `STORAGE_FULL` and nothing of it is written.
         """
-        user = users.acting_user.get()
+        user, due, began = users.acting_user.get(), self._lease_due(), time.monotonic()
 
         async def start(tx: Tx, look: bool) -> bool:
             if look and await stale_runs(tx, self.owner, conversation_id, user):
                 return False
-            await self._lease(tx)
+            if due:
+                await self._lease(tx)
             await users.check_limits(tx, "running", self.limits, utc_now())
             await self._insert_run(tx, run_id, conversation_id, "running", self.owner.id, input_messages, title,
                                    idempotency, decision)
             return True
 
         await self.open()
-        look = not self.single_owner and not self._sweep_pending
-        if not look or not await self._starting(idempotency, lambda tx: start(tx, look=True)):
+        try:
+            started = not self._sweep_pending and await self._starting(
+                idempotency, lambda tx: start(tx, look=user is not None and not self.single_owner))
+        except SophosError as error:
+            if error.code != SESSION_IN_PROGRESS or self.single_owner:
+                raise
+            started = False  # the run in the way may be a gone owner's
+        if not started:
             await self._recover(conversation_id, user)
             await self._starting(idempotency, lambda tx: start(tx, look=False))
+        if due:
+            self._leased_at = began
 
     async def _starting(self, idempotency: IdempotencyKey | None, plan: Plan[T]) -> T:
         """`plan` in one transaction, a refused key or active run as the error a caller is given."""
@@ -473,23 +494,23 @@ class Storage(RunReads):
                           idempotency: IdempotencyKey | None, decision: tuple[Gate, dict[str, dict]] | None) -> None:
         now = utc_now()
         if title is not None:
-            await tx.execute("INSERT INTO conversations (id, title, created_at, updated_at, user_id)"
+            await tx.send("INSERT INTO conversations (id, title, created_at, updated_at, user_id)"
                              " VALUES (:id, :title, :now, :now, :user_id)",
                              {"id": conversation_id, "title": _title(title), "now": now,
                               "user_id": users.acting_user.get()})
         else:
             await users.check_owner(tx, conversation_id)
-        await tx.execute(
+        await tx.send(
             "INSERT INTO runs (id, conversation_id, status, started_at, owner_id, input)"
             " VALUES (:id, :conversation_id, :status, :now, :owner_id, :input)",
             {"id": run_id, "conversation_id": conversation_id, "status": status, "now": now, "owner_id": owner_id,
              "input": json.dumps(input_messages, ensure_ascii=False) if input_messages else None})
         # The messages it carries count from now on, as the conversation shows them (pending
         # until they reach the thread; see `counting`): the count before is true, recovered above.
-        await tx.execute("UPDATE conversations SET updated_at = :now, message_count = message_count + :added"
+        await tx.send("UPDATE conversations SET updated_at = :now, message_count = message_count + :added"
                          " WHERE id = :id", {"now": now, "added": len(input_messages or ()), "id": conversation_id})
         if idempotency is not None:
-            await tx.execute("INSERT INTO idempotency_keys (key, request, conversation_id, run_id, created_at)"
+            await tx.send("INSERT INTO idempotency_keys (key, request, conversation_id, run_id, created_at)"
                              " VALUES (:key, :request, :conversation_id, :run_id, :now)",
                              {"key": users.scoped_key(idempotency.key), "request": idempotency.request,
                               "conversation_id": conversation_id, "run_id": run_id, "now": now})
@@ -528,11 +549,11 @@ class Storage(RunReads):
                 {"status": status, "code": error_code, "message": error_message, "now": now, "steps": steps,
                  "input_ids": input_ids, "run_id": run_id, "me": self.owner.id})
             if updated and message_count is not None:
-                await tx.execute("UPDATE conversations SET message_count = :count, updated_at = :now"
+                await tx.send("UPDATE conversations SET message_count = :count, updated_at = :now"
                                  " WHERE id = (SELECT conversation_id FROM runs WHERE id = :run_id)",
                                  {"count": message_count, "now": now, "run_id": run_id})
             if updated and gate is not None:
-                await tx.execute(
+                await tx.send(
                     "INSERT INTO gates (id, conversation_id, run_id, calls, created_at)"
                     " VALUES (:id, :conversation_id, :run_id, :calls, :now)"
                     " ON CONFLICT (conversation_id, id) DO UPDATE SET run_id = excluded.run_id",
