@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 import pytest
 
@@ -111,3 +112,24 @@ async def test_on_sqlite_a_plan_that_awaits_anything_else_is_refused_and_writes_
         with pytest.raises(RuntimeError, match="awaited something other than its statements"):
             await storage.db.transact(plan)
         assert await conversation_ids(storage) == []
+
+
+async def owner_lease_left(agent) -> tuple[float, float]:
+    """This process's lease as its owner row holds it: (expiry, seconds left), monotonic clock."""
+    async with agent.store.reading() as tx:
+        expiry = await tx.value("SELECT lease_expires_monotonic FROM owners WHERE id = :id", {"id": agent.store.owner.id})
+    return expiry, expiry - time.monotonic()
+
+
+async def test_a_run_starts_with_two_thirds_of_its_owner_s_lease_left_and_a_start_just_after_writes_none(open_service):
+    """A start writes the lease too only once a third of it is gone (the keeper renews it every
+    third while runs are active): a run is accepted with two thirds of a lease left at least, and
+    a start a moment after another writes no lease of its own."""
+    lease = 6.0
+    async with open_service(SOPHOS_LAB_LEASE_SECONDS=str(lease)) as agent:
+        run = await agent.chat("hello")
+        written, left = await owner_lease_left(agent)
+        assert left >= lease * 2 / 3, left
+        conversation = (await run.wait()).data["conversation"]
+        await (await agent.chat("and again", conversation)).wait()
+        assert (await owner_lease_left(agent))[0] == written
