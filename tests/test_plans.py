@@ -133,3 +133,22 @@ async def test_a_run_starts_with_two_thirds_of_its_owner_s_lease_left_and_a_star
         conversation = (await run.wait()).data["conversation"]
         await (await agent.chat("and again", conversation)).wait()
         assert (await owner_lease_left(agent))[0] == written
+
+
+@pytest.mark.sqlite_only
+async def test_on_sqlite_a_plan_whose_caller_is_cancelled_before_its_commit_writes_nothing(opened):
+    async with opened() as storage:
+        inside, go_on = threading.Event(), threading.Event()
+
+        async def plan(tx: Tx) -> None:
+            await add_conversation(tx, "c1")
+            inside.set()
+            go_on.wait(30)  # held in the connection's thread, its statement made, not committed
+
+        task = asyncio.ensure_future(storage.db.transact(plan))
+        assert await asyncio.to_thread(inside.wait, 30)
+        task.cancel()
+        asyncio.get_running_loop().call_soon(go_on.set)  # after the task has taken its cancel in
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await conversation_ids(storage) == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -178,6 +179,37 @@ def test_a_saver_write_whose_last_statement_fails_leaves_none_of_its_statements(
     asyncio.run(put())
     assert query(url, "SELECT count(*) FROM checkpoints") == [(1,)]
     assert query(url, "SELECT count(*) FROM checkpoint_blobs") == [(1,)]
+    owner.close()
+
+
+def test_the_saver_lends_a_connection_whose_descriptor_is_past_1023(url):
+    """A busy server holds many descriptors (clients, files): the pool's look at a connection's
+    socket must not refuse one numbered past `select()`'s limit."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1100:
+        pytest.skip("this process may not open 1100 descriptors")
+    owner = store_at(url)
+    owner.start_run("r-1", "c-1", [{"id": "m-1", "content": "hello"}], title="hello")
+    held = [os.open(os.devnull, os.O_RDONLY)]
+    while held[-1] < 1030:
+        held.append(os.dup(held[0]))
+    config = {"configurable": {"thread_id": "c-1", "checkpoint_ns": ""}}
+
+    async def put():
+        pool, saver = await postgres.open_saver(url, owner.owner.id)
+        try:
+            async with asyncio.timeout(20):
+                return await saver.aput(config, empty_checkpoint(), {"step": -1}, {})
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(put())
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert query(url, "SELECT count(*) FROM checkpoints") == [(1,)]
     owner.close()
 
 

@@ -31,13 +31,16 @@ class Lease:
             lost = await self.store.renew_lease([run.id for run in runs])
             return [run for run in runs if run.id in lost]
 
+        wait = self.store.renewal_in()  # a third of a lease after it was last written
         while self.active or self._strays_possible:
-            await asyncio.sleep(self.settings.lease_seconds / 3)
+            await asyncio.sleep(wait)
+            wait = self.settings.lease_seconds / 3
             try:
                 lost = await self._write(renew)
             except Exception:
                 log.warning("could not renew the lease of %s", self.store.owner, exc_info=True)
                 continue
+            wait = self.store.renewal_in()
             for run in lost:
                 if not run.lost:
                     run.lost = True

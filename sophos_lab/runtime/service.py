@@ -366,9 +366,9 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
             await self._relabel_unrecorded(conversation_id, refuse=True)
             try:
                 await self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision)
-            except Exception as error:
-                if errors.database_unavailable(error):  # its commit may have landed, the answer lost:
-                    self._note_stray()  # a run of ours with no task
+            except BaseException as error:  # a cancel or a cut connection: its commit may have landed,
+                if isinstance(error, asyncio.CancelledError) or errors.database_unavailable(error):
+                    self._note_stray()  # the answer lost: a run of ours with no task
                 raise
             self.active[conversation_id] = run
             self._observe(DurableWrite("run", conversation_id))

@@ -87,20 +87,20 @@ def user_memory_path(settings: Settings, user: str) -> Path:
 
 
 @functools.cache
-def _kit_paths() -> tuple[Path, Path]:
-    """The kit's root, and the Python that runs the fetch server (looked up once: a run reads
-    `mcp.json` a few times a turn)."""
-    root = Path(__file__).resolve().parents[2]
-    # A venv of its own starts the fetch server in about 1 s instead of 4: the kit's venv
-    # makes it import jupyter's jsonschema format checkers. Without one, ours serves.
-    fetch_python = root / ".tools" / "fetch" / "bin" / "python"
-    return root, fetch_python if fetch_python.exists() else Path(sys.executable)
+def _kit_root() -> Path:
+    """Where the kit is (resolved once: a run reads `mcp.json` a few times a turn)."""
+    return Path(__file__).resolve().parents[2]
 
 
 def kit_variables(settings: Settings, user: str | None = None) -> dict[str, str]:
     """The `${VAR}` values the kit supplies on top of the environment: for a user's servers
     (`user`, an id), `MEMORY_FILE_PATH` is that user's file and `SOPHOS_LAB_USER` its id."""
-    root, fetch_python = _kit_paths()
+    root = _kit_root()
+    # A venv of its own starts the fetch server in about 1 s instead of 4: the kit's venv
+    # makes it import jupyter's jsonschema format checkers. Without one, ours serves.
+    fetch_python = root / ".tools" / "fetch" / "bin" / "python"
+    if not fetch_python.exists():
+        fetch_python = Path(sys.executable)
     return {
         "MEMORY_FILE_PATH": str(settings.memory_file_path if user is None else user_memory_path(settings, user)),
         "SOPHOS_LAB_USER": user or "",

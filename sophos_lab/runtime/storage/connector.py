@@ -24,8 +24,8 @@ Plan = Callable[["Tx"], Awaitable[T]]
 """A transaction's (or a read's) statements as one function of its `Tx`, for `transact` and
 `read` on a backend. A plan awaits its statements and nothing else, so a backend may run it whole
 where its connection lives: SQLite runs it in the connection's thread, one hand-over to that
-thread in all where each statement was one; PostgreSQL runs it on the event loop, a round trip a
-statement, as any transaction."""
+thread in all where each statement was one; PostgreSQL runs it on the event loop as any of its
+transactions, pipelined (a statement sent with `send` does not wait)."""
 
 
 class Conflict(Exception):

@@ -252,10 +252,11 @@ def _usable(conn: psycopg.AsyncConnection) -> bool:
     if conn.closed or conn.broken or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         return False
     try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        poller = select.poll()  # not select(): it refuses a descriptor past 1023, a busy server's
+        poller.register(conn.fileno(), select.POLLIN)
+        return not poller.poll(0)
     except (OSError, ValueError):
         return False
-    return not readable
 
 
 async def _check_usable(conn: psycopg.AsyncConnection) -> None:

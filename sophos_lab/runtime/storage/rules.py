@@ -214,9 +214,16 @@ class Storage(RunReads):
 
     def _lease_due(self) -> bool:
         """Whether a run's start writes the lease too: unless it was committed less than a third
-        of a lease ago. It then has two thirds left when the lease keeper, which renews it every
-        third while runs are active, takes over."""
-        return self._leased_at is None or time.monotonic() - self._leased_at > self.lease_seconds / 3
+        of a lease ago. The lease keeper renews it a third of a lease after its last commit
+        (`renewal_in`), so a run never starts with less than two thirds of a lease left, nor
+        meets its first renewal with less."""
+        return self.renewal_in() <= 0
+
+    def renewal_in(self) -> float:
+        """Seconds until this owner's lease is a third gone (0: it is, or it was never written)."""
+        if self._leased_at is None:
+            return 0.0
+        return max(0.0, self._leased_at + self.lease_seconds / 3 - time.monotonic())
 
     async def _open_sweep(self) -> None:
         """What an open writes: this owner's row, then the recovery of runs left `running`."""
@@ -473,7 +480,8 @@ class Storage(RunReads):
                 raise
             started = False  # the run in the way may be a gone owner's
         if not started:
-            await self._recover(conversation_id, user)
+            await self._recover(conversation_id, user)  # it may take a while: is the lease due now?
+            due, began = self._lease_due(), time.monotonic()
             await self._starting(idempotency, lambda tx: start(tx, look=False))
         if due:
             self._leased_at = began

@@ -172,13 +172,14 @@ def _drive(plan: Plan[T], tx: Tx) -> T:
     raise RuntimeError("a plan awaited something other than its statements")
 
 
-def _in_transaction(conn: aiosqlite.Connection, plan: Plan[T]) -> T:
-    """`plan` in one write transaction, in the connection's thread."""
+def _in_transaction(conn: aiosqlite.Connection, plan: Plan[T], cancelled: threading.Event) -> T:
+    """`plan` in one write transaction, in the connection's thread; rolled back instead of
+    committed if its caller was cancelled meanwhile."""
     raw = conn._conn
     raw.execute("BEGIN IMMEDIATE")
     try:
         result = _drive(plan, _ThreadTx(raw))
-        raw.execute("COMMIT")
+        raw.execute("ROLLBACK" if cancelled.is_set() else "COMMIT")
     except BaseException:
         if raw.in_transaction:  # SQLite may have rolled it back already (SQLITE_FULL)
             raw.execute("ROLLBACK")
@@ -261,11 +262,20 @@ class SqliteConnector:
     # (the acting user), instead of one hand-over a statement.
 
     async def transact(self, plan: Plan[T]) -> T:
-        """`plan` in one write transaction (see `transaction`), in one hand-over."""
-        context = contextvars.copy_context()
+        """`plan` in one write transaction (see `transaction`), in one hand-over. A cancel of the
+        caller rolls it back, unless its `COMMIT` has begun: the caller cannot tell which, and
+        the write lock is held until the thread is done with it."""
+        context, cancelled = contextvars.copy_context(), threading.Event()
         async with self._writing:
             with full_disk_refused(self.path):
-                return await self._writer._execute(context.run, _in_transaction, self._writer, plan)
+                work = asyncio.ensure_future(
+                    self._writer._execute(context.run, _in_transaction, self._writer, plan, cancelled))
+                try:
+                    return await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    await asyncio.wait([work])
+                    raise
 
     async def read(self, plan: Plan[T]) -> T:
         """`plan`'s reads, in one hand-over to the read connection's thread."""
