@@ -64,10 +64,8 @@ IDLE_CONNECTIONS = 4
 
 DIALECT = Dialect("postgres", {
     "seq": "seq",
-    "latest_run": "LEFT JOIN LATERAL (SELECT status, error_code, error_message FROM runs"
-                  " WHERE conversation_id = c.id ORDER BY seq DESC LIMIT 1) r ON true",
-    "latest_run_row": "LEFT JOIN LATERAL (SELECT * FROM runs WHERE conversation_id = c.id ORDER BY seq DESC LIMIT 1)"
-                      " r ON true",
+    "latest_run": "LEFT JOIN LATERAL (SELECT * FROM runs WHERE conversation_id = c.id ORDER BY seq DESC LIMIT 1)"
+                  " r ON true",
     "lease_until": "now() + make_interval(secs => :lease_seconds)",
     # What the database's clock leaves of the lease: it runs out here exactly when it does there.
     "lease_left": "EXTRACT(EPOCH FROM o.lease_expires_at - now())::float8",
@@ -207,7 +205,7 @@ class PostgresConnector:
             yield PostgresTx(conn)
 
     async def transact(self, plan: Plan[T]) -> T:
-        """`plan` in one transaction (see `transaction`): a round trip a statement, as any."""
+        """`plan` in one transaction (see `transaction`), pipelined."""
         async with self.transaction() as tx:
             return await plan(tx)
 

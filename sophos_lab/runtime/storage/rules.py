@@ -401,7 +401,7 @@ class Storage(RunReads):
 
         async def look(tx: Tx) -> tuple[str, Run | None, str | None] | None:
             row = await tx.row(
-                "SELECT c.id AS the_conversation, c.user_id AS its_owner, r.* FROM conversations c {latest_run_row}"
+                "SELECT c.id AS the_conversation, c.user_id AS its_owner, r.* FROM conversations c {latest_run}"
                 " WHERE c.id = :id" + where, {"id": conversation_id, **params})
             if row is None:
                 return None

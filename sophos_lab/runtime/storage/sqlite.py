@@ -25,7 +25,7 @@ import functools
 import json
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,6 @@ DIALECT = Dialect("sqlite", {
     # implicit rowid suffix is insertion order (clocks step back).
     "latest_run": "LEFT JOIN runs r ON r.rowid = ("
                   "SELECT rowid FROM runs WHERE conversation_id = c.id ORDER BY rowid DESC LIMIT 1)",
-    "latest_run_row": "LEFT JOIN runs r ON r.rowid = ("
-                      "SELECT rowid FROM runs WHERE conversation_id = c.id ORDER BY rowid DESC LIMIT 1)",
     "lease_until": ":wall_expiry",
     "lease_left": "o.lease_expires_at - :wall_now",
     "in_ids": "IN (SELECT value FROM json_each(:ids))",
