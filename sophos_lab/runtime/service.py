@@ -37,9 +37,9 @@ from .agent import (
     AGENT_NODES, ATTEMPT_WATCH, CARRIED_DECISIONS, AgentParts, AttemptWatch, build_graph, chat_model, check_config,
     classify_failure, read_system_prompt, thread_config,
 )
+from .carrying import Carrying
 from .checkpointer import DurableWrite, NotifyingSaver, WriteObserver, is_fenced
 from .control import Control
-from .counting import shown_count
 from .errors import SophosError
 from .events import DurableGate, Event, StreamTranslator
 from .housekeeping import Housekeeping
@@ -50,13 +50,13 @@ from .reading import Reading
 from .requests import canonical_request, parse_conversation_id, parse_message
 from .settings import Settings
 from .storage import open_storage
-from .storage.models import Conversation, Gate, IdempotencyKey, Run, carried_ids, unapplied_input, utc_now
+from .storage.models import Conversation, Gate, IdempotencyKey, carried_ids, utc_now
 from .tools import McpTools, approval_rule, mcp_servers
 
 log = logging.getLogger(__name__)
 
 
-class AgentService(Reading, Control, Pool, Lease, Housekeeping):
+class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
     """The durable agent of one process: conversations, runs and their events. Here its run
     lifecycle; around it `reading`, `control`, `pool`, `lease`, `housekeeping` and `storage`."""
 
@@ -313,39 +313,6 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         async with self._writing:
             return await write(*args)
 
-    async def _carried_input(self, conversation_id: str, latest: Run) -> list[dict[str, str]]:
-        """`_pending_input` for a new message after the `latest` run. The common case (it
-        completed, so its input is in the thread) reads no checkpoint; otherwise the thread's
-        latest state (live: a gate a carried decision has answered no longer holds it)."""
-        if latest.status == "completed":
-            return []
-        state = await self._graph.aget_state(thread_config(conversation_id))
-        if state.interrupts:  # live: not those a decision carried on has answered
-            # The thread stopped at a gate that the latest run did not get past (it stopped
-            # before recording it, or before carrying its decision on): a new message would
-            # leave the held calls unanswered.
-            raise SophosError(errors.RUN_WAITING, (
-                "The thread stopped at an approval gate that its latest run did not get past: "
-                "resume() to carry on (a recorded decision is carried on, else the gate is shown again)."))
-        if unasked := self._unasked_calls(state):
-            # The run stopped after the model asked for these and before its tools step saved
-            # the gate: a new message would drop them with nobody asked, where a run stopped a
-            # moment later (at its gate) refuses it. The same answer at either point.
-            raise SophosError(errors.RUN_WAITING, (
-                f"The thread's last turn holds {len(unasked)} tool call(s) that need approval "
-                f"({', '.join(unasked)}), and its run stopped before it asked: resume() to reach "
-                "the gate, then approve or reject them."))
-        return await self._pending_input(conversation_id, state.metadata) if latest.input else []
-
-    async def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
-        """The messages of the latest run if they never reached the thread, else [].
-
-        `metadata` is that of the thread's latest checkpoint (None when there is none)."""
-        latest = await self.store.latest_run(conversation_id)
-        if latest is None:
-            return []
-        return unapplied_input(latest.id, latest.input, (metadata or {}).get("run_id"))
-
     async def _launch(
         self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None,
         idempotency: IdempotencyKey | None = None, command: Command | None = None,
@@ -588,12 +555,3 @@ class AgentService(Reading, Control, Pool, Lease, Housekeeping):
         value = interrupt["value"] if isinstance(interrupt["value"], dict) else {}
         return Gate(id=interrupt["id"], conversation_id=run.conversation, run_id=run.id,
                     calls=value.get("calls", []), created_at="")
-
-    async def _message_count(self, graph: Any, conversation_id: str) -> int | None:
-        try:
-            state = await graph.aget_state(thread_config(conversation_id))
-        except (Exception, asyncio.CancelledError):  # a late shutdown cancel must not skip the record
-            return None
-        # What get_conversation will show (see `counting`): an accepted message a cancel kept
-        # out of the thread counts too.
-        return shown_count(state.values.get("messages", []), await self._pending_input(conversation_id, state.metadata))
