@@ -152,3 +152,24 @@ async def test_on_sqlite_a_plan_whose_caller_is_cancelled_before_its_commit_writ
         with pytest.raises(asyncio.CancelledError):
             await task
         assert await conversation_ids(storage) == []
+
+
+async def test_a_start_after_a_run_that_is_no_longer_the_latest_writes_nothing(opened):
+    """A start says which run it read as the conversation's latest (`after`): the carried
+    messages and the fold were worked out from it. Once another run came first, or that one
+    was relabelled, the start is refused whole and the caller reads again."""
+    from sophos_lab.runtime.storage.models import LatestRunChanged
+
+    async with opened() as storage:
+        await storage.start_run("first", "talk", [{"id": "m1", "content": "hello"}], title="hello")
+        await storage.finish_run("first", "completed", 1)
+        read = ("first", "completed")
+        await storage.start_run("second", "talk", [{"id": "m2", "content": "from another process"}], after=read)
+        await storage.finish_run("second", "cancelled", 2, error_code="CANCELLED")
+        with pytest.raises(LatestRunChanged):
+            await storage.start_run("third", "talk", [{"id": "m3", "content": "read before the second"}], after=read)
+        assert [run.id for run in await storage.list_runs("talk")] == ["first", "second"]
+        assert (await storage.get_conversation("talk")).message_count == 2
+
+        await storage.start_run("third", "talk", [{"id": "m3", "content": "read again"}], after=("second", "cancelled"))
+        assert [run.status for run in await storage.list_runs("talk")] == ["completed", "cancelled", "running"]

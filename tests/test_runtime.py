@@ -341,3 +341,40 @@ async def test_with_a_short_lease_every_final_event_matches_the_record(open_serv
 
     assert {(final.event, final.data.get("status", final.data.get("code"))) for _, final in finals} == {("end", "completed")}
     assert set(recorded.values()) == {"completed"} and len(recorded) == 200
+
+
+async def test_a_message_read_against_a_run_another_process_then_stopped_still_carries_that_run_s_message(open_service):
+    # A reads the conversation (its latest run completed) to take a new message. Before A writes
+    # its run, a second process on the database takes a message of its own, which is cancelled
+    # before it reaches the thread. A's run must carry that message on, as if A had read after.
+    import threading
+
+    async def second_process_s_message(conversation: str) -> None:
+        async with open_service() as other:
+            def cancel_once_the_run_is_written(write) -> None:  # before any checkpoint of its run
+                if write.kind == "run":
+                    cancels.append(asyncio.get_running_loop().create_task(other.cancel(conversation)))
+
+            cancels: list[asyncio.Task] = []
+            other.on_write = cancel_once_the_run_is_written
+            assert (await (await other.chat("Remember the word heliotrope", conversation)).wait()).event == "chat-error"
+            await cancels[0]
+
+    async with open_service() as agent:
+        conversation = (await agent.ask("hello")).data["conversation"]
+        interleaved = []
+
+        def meanwhile(point: str) -> None:  # A's loop waits here: the other process runs to its end
+            if point == "read" and not interleaved:
+                other = threading.Thread(target=asyncio.run, args=(second_process_s_message(conversation),))
+                other.start()
+                other.join()
+                interleaved.append(point)
+
+        agent.at_point = meanwhile
+        assert (await agent.ask("What word did I ask you to remember?", conversation)).event == "end"
+        detail = await agent.get_conversation(conversation)
+
+    assert interleaved == ["read"]
+    said = [message["content"] for message in detail.messages if message["role"] == "user"]
+    assert said == ["hello", "Remember the word heliotrope", "What word did I ask you to remember?"]

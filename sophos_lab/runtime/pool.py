@@ -20,7 +20,7 @@ from .active import ActiveRun
 from .agent import thread_config
 from .checkpointer import DurableWrite
 from .events import Event
-from .storage.models import Gate, IdempotencyKey, Run, carried_ids
+from .storage.models import Gate, IdempotencyKey, Run, Seen, carried_ids
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +29,13 @@ class Pool:
     """`AgentService`'s side of a pool of workers."""
 
     async def _queue(self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None,
-                     idempotency: IdempotencyKey | None, decision: tuple[Gate, dict[str, dict]] | None) -> Any:
+                     idempotency: IdempotencyKey | None, decision: tuple[Gate, dict[str, dict]] | None,
+                     after: Seen | None = None) -> Any:
         run_id = str(uuid.uuid4())
 
         async def queue() -> None:
             self._check_accepting()
-            await self.store.queue_run(run_id, conversation_id, messages, title, idempotency, decision, resume)
+            await self.store.queue_run(run_id, conversation_id, messages, title, idempotency, decision, resume, after)
             self._observe(DurableWrite("run", conversation_id))
 
         await self._write(queue)

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,8 @@ from .reading import Reading
 from .requests import canonical_request, parse_conversation_id, parse_message
 from .settings import Settings
 from .storage import open_storage
-from .storage.models import Conversation, Gate, IdempotencyKey, carried_ids, utc_now
+from .storage.models import (Conversation, Gate, IdempotencyKey, LatestRunChanged, Seen, carried_ids, seen,
+                             unapplied_input, utc_now)
 from .tools import McpTools, approval_rule, mcp_servers
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,8 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
         """PostgreSQL with workers: the `LISTEN` connection that wakes followers of remote runs."""
         self.at_point: Callable[[str], None] | None = None
         """Called by name just before the database calls of a run's life that a fault may hit:
-        `claimed` (a worker's claim committed, nothing read yet), `owner`, `budget` and `outcome`.
+        `claimed` (a worker's claim committed, nothing read yet), `read` (a new message's
+        conversation and latest run read, nothing written yet), `owner`, `budget` and `outcome`.
         Fault tests stop the database there (`SOPHOS_LAB_STOP_AT` stops a worker itself)."""
         self.on_write: WriteObserver | None = None
         """Called right after each commit a run makes, in order, before any event tells of it:
@@ -117,7 +119,7 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
         if keyed is not None and (first := await self.first_run_of(keyed)) is not None:
             return first
         try:
-            return await self._chat(text, conversation_id, keyed)
+            return await self._taken(lambda: self._chat(text, conversation_id, keyed))
         except SophosError:
             # A request with the same key may have started its run while this one was checked.
             if keyed is not None and (first := await self.first_run_of(keyed)) is not None:
@@ -130,6 +132,7 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
             conversation_id, latest, owner = str(uuid.uuid4()), None, users.acting_user.get()
         else:  # the latest run read once, used thrice
             conversation_id, latest, owner = await self.store.before_message(conversation_id)
+            self._point("read")
         self._check_idle(conversation_id)
         if latest is not None and latest.status == "waiting":
             await self._check_not_waiting(conversation_id)
@@ -139,7 +142,8 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
         carried = [] if latest is None else await self._carried_input(conversation_id, latest)
         messages = [*carried, {"id": str(uuid.uuid4()), "content": text}]
         return await self._launch(conversation_id, messages, resume=False, title=text if new else None,
-                                  idempotency=keyed, before=latest.status if latest else None, owner=(owner,))
+                                  idempotency=keyed, before=latest.status if latest else None, owner=(owner,),
+                                  after=None if new else seen(latest))  # still so when it is written
 
     async def resume(self, conversation: object, idempotency_key: str | IdempotencyKey | None = None) -> ActiveRun:
         """Start a run that continues the thread from its latest checkpoint (`idempotency_key`
@@ -154,7 +158,7 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
         if keyed is not None and (first := await self.first_run_of(keyed)) is not None:
             return first
         try:
-            return await self._resume(conversation_id, keyed)
+            return await self._taken(lambda: self._resume(conversation_id, keyed))
         except SophosError:
             if keyed is not None and (first := await self.first_run_of(keyed)) is not None:
                 return first
@@ -169,12 +173,27 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
         await self._recover(conversation_id)
         await self._check_not_waiting(conversation_id)
         state = await graph.aget_state(thread_config(conversation_id))
-        pending = await self._pending_input(conversation_id, state.metadata)
+        latest = await self.store.latest_run(conversation_id)
+        pending = [] if latest is None else unapplied_input(latest.id, latest.input, (state.metadata or {}).get("run_id"))
         if not work_left(state) and not pending:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")
         decided = await self._decided_gate(conversation_id, state.interrupts)
         command = None if decided is None else Command(resume={decided.id: decided.decisions})
-        return await self._launch(conversation_id, pending, resume=True, idempotency=keyed, command=command)
+        return await self._launch(conversation_id, pending, resume=True, idempotency=keyed, command=command,
+                                  after=seen(latest))
+
+    async def _taken(self, take: Callable[[], Awaitable[ActiveRun]]) -> ActiveRun:
+        """`take()`: a chat or resume, which read the conversation's latest run before writing
+        its own. Read and tried once more if another process's run came first (`LatestRunChanged`)."""
+        try:
+            return await take()
+        except LatestRunChanged:
+            try:
+                return await take()
+            except LatestRunChanged as changed:
+                raise SophosError(errors.SESSION_IN_PROGRESS, (
+                    "Previous request still in progress: other runs of the conversation started while "
+                    "this one was taken. Nothing of it was written; send it again.")) from changed
 
     async def ask(self, message: str, conversation: str | None = None) -> Event:
         """Start a chat run and wait for its final event (handy in a notebook cell)."""
@@ -317,14 +336,15 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
         self, conversation_id: str, messages: list[dict[str, str]], resume: bool, title: str | None = None,
         idempotency: IdempotencyKey | None = None, command: Command | None = None,
         decision: tuple[Gate, dict[str, dict]] | None = None, before: str | None = None,
-        owner: tuple[str | None] | None = None,
+        owner: tuple[str | None] | None = None, after: Seen | None = None,
     ) -> ActiveRun:
         """Write the run (with its messages, key and gate decision), then publish `started` and
         run the graph: with the messages, or `command` (a gate's decisions), or from `next`.
+        `after` is the conversation's latest run as the caller read it (`Storage.start_run`).
         With workers, queue it instead (the same row `queued`, and its `started` event): a
         worker claims it and works out the same input (`start_claimed`)."""
         if self.settings.on_workers:
-            return await self._queue(conversation_id, messages, resume, title, idempotency, decision)
+            return await self._queue(conversation_id, messages, resume, title, idempotency, decision, after)
         run = ActiveRun(id=str(uuid.uuid4()), conversation=conversation_id, resume=resume,
                         keep=self.settings.event_buffer, input_ids=carried_ids(messages), before=before, owner=owner)
 
@@ -332,7 +352,7 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
             await self._relabel_unrecorded(conversation_id, refuse=True)
             try:
-                await self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision)
+                await self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision, after)
             except BaseException as error:  # a cancel or a cut connection: its commit may have landed,
                 if isinstance(error, asyncio.CancelledError) or errors.database_unavailable(error):
                     self._note_stray()  # the answer lost: a run of ours with no task

@@ -125,6 +125,20 @@ class Run:
     crash ended, the steps it saved, recorded when recovery relabels it."""
 
 
+Seen = tuple[str | None, str | None]
+"""The id and status of a conversation's latest run as a caller read it; (None, None): no run."""
+
+
+def seen(run: Run | None) -> Seen:
+    return (None, None) if run is None else (run.id, run.status)
+
+
+class LatestRunChanged(Exception):
+    """A start refused, nothing written: the conversation's latest run is no longer the one its
+    caller read (`Seen`); another process started a run there, or relabelled that one, meanwhile.
+    What the caller worked out from it (the messages to carry on, the step to fold) is stale."""
+
+
 @dataclass(frozen=True)
 class Gate:
     """An approval gate: tool calls held back until a person decides on each (see `approve`)."""

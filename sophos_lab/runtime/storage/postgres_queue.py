@@ -17,7 +17,7 @@ from .. import errors, users
 from ..events import TERMINAL_EVENTS, Event
 from ..ownership import owner_gone
 from .connector import Tx
-from .models import Gate, IdempotencyKey, Run, run_of, utc_now
+from .models import Gate, IdempotencyKey, Run, Seen, run_of, utc_now
 from .rules import Storage, owner_row
 
 QUEUE_CHANNEL = "sophos_queue"
@@ -173,7 +173,7 @@ class QueueStorage(Storage):
 
     async def queue_run(self, run_id: str, conversation_id: str, input_messages: list[dict[str, str]] | None,
                         title: str | None, idempotency: IdempotencyKey | None,
-                        decision: tuple[Gate, dict[str, dict]] | None, resume: bool) -> None:
+                        decision: tuple[Gate, dict[str, dict]] | None, resume: bool, after: Seen | None = None) -> None:
         """As `start_run`, for a worker to claim (PostgreSQL, `queue`): the run `queued`, owned by
         no one, with its `started` event; the workers are woken once it is committed."""
         await self._recover(conversation_id, users.acting_user.get())
@@ -181,7 +181,7 @@ class QueueStorage(Storage):
         async def queue(tx: Tx) -> None:
             await users.check_limits(tx, "queued", self.limits, utc_now())
             await self._insert_run(tx, run_id, conversation_id, "queued", None, input_messages, title,
-                                   idempotency, decision)
+                                   idempotency, decision, after)
             await queue_started(tx, run_id, conversation_id, resume)
 
         await self._starting(idempotency, queue)

@@ -37,7 +37,8 @@ from ..errors import (CANCELLED, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KE
 from ..ownership import Owner, owner_gone
 from .connector import Conflict, Plan, T, Tx
 from .models import (PAGE_SIZE, CONVERSATION_FIELDS, Conversation, ConversationPage, Gate, IdempotencyKey,
-                     ListingPosition, Run, conversations_of, encode_cursor, run_of, title_from_message, utc_now)
+                     LatestRunChanged, ListingPosition, Run, Seen, conversations_of, encode_cursor, run_of,
+                     title_from_message, utc_now)
 from .reads import RunReads
 
 log = logging.getLogger(__name__)
@@ -443,7 +444,7 @@ class Storage(RunReads):
 
     async def start_run(self, run_id: str, conversation_id: str, input_messages: list[dict[str, str]] | None = None,
                         title: str | None = None, idempotency: IdempotencyKey | None = None,
-                        decision: tuple[Gate, dict[str, dict]] | None = None) -> None:
+                        decision: tuple[Gate, dict[str, dict]] | None = None, after: Seen | None = None) -> None:
         """Start a run, in one transaction: the conversation (when `title` is given, it is new),
         this owner's lease, the `running` row with the messages it carries, `updated_at` and the
         message count (with those messages), the request's idempotency key if it has one, and the
@@ -457,7 +458,9 @@ class Storage(RunReads):
         relabelling reads the thread, so it runs apart. This owner's lease is written too,
         unless it was a moment ago (`_lease_due`). A key already taken refuses the whole start
         (`IDEMPOTENCY_KEY_REUSED`); a gate decided meanwhile (by another process) refuses it too
-        (`GATE_DECIDED`). On a full disk it is refused with `STORAGE_FULL` and nothing of it is written.
+        (`GATE_DECIDED`). With `after`, the conversation's latest run as the caller read it, a
+        start after another is refused with `LatestRunChanged`. On a full disk it is refused with
+        `STORAGE_FULL` and nothing of it is written.
         """
         user, due, began = users.acting_user.get(), self._lease_due(), time.monotonic()
 
@@ -468,7 +471,7 @@ class Storage(RunReads):
                 await self._lease(tx)
             await users.check_limits(tx, "running", self.limits, utc_now())
             await self._insert_run(tx, run_id, conversation_id, "running", self.owner.id, input_messages, title,
-                                   idempotency, decision)
+                                   idempotency, decision, after)
             return True
 
         await self.open()
@@ -499,7 +502,8 @@ class Storage(RunReads):
     @staticmethod
     async def _insert_run(tx: Tx, run_id: str, conversation_id: str, status: str, owner_id: str | None,
                           input_messages: list[dict[str, str]] | None, title: str | None,
-                          idempotency: IdempotencyKey | None, decision: tuple[Gate, dict[str, dict]] | None) -> None:
+                          idempotency: IdempotencyKey | None, decision: tuple[Gate, dict[str, dict]] | None,
+                          after: Seen | None = None) -> None:
         now = utc_now()
         if title is not None:
             await tx.send("INSERT INTO conversations (id, title, created_at, updated_at, user_id)"
@@ -517,6 +521,13 @@ class Storage(RunReads):
         # until they reach the thread; see `counting`): the count before is true, recovered above.
         await tx.send("UPDATE conversations SET updated_at = :now, message_count = message_count + :added"
                          " WHERE id = :id", {"now": now, "added": len(input_messages or ()), "id": conversation_id})
+        if after is not None:
+            # Read with the conversation's row locked by the update above: another start waits for
+            # this commit, so the run read here is still the one before this run when it commits.
+            before = await tx.tuples("SELECT id, status FROM runs WHERE conversation_id = :id AND id <> :run_id"
+                                     " ORDER BY {seq} DESC LIMIT 1", {"id": conversation_id, "run_id": run_id})
+            if (before[0] if before else (None, None)) != after:
+                raise LatestRunChanged(f"the latest run of {conversation_id} is {before or 'none'}, not {after}")
         if idempotency is not None:
             await tx.send("INSERT INTO idempotency_keys (key, request, conversation_id, run_id, created_at)"
                              " VALUES (:key, :request, :conversation_id, :run_id, :now)",
