@@ -285,6 +285,18 @@ async def test_the_accepted_message_is_stored_once_its_run_has_written_it_to_the
     assert json.loads(run.input) == [{"id": user["id"], "content": text}]
 
 
+async def test_every_run_of_every_conversation_names_its_message_with_its_text(open_service):
+    async with open_service() as agent:
+        first = (await agent.ask("Remember the word heliotrope")).data["conversation"]
+        await agent.ask("And the word lantern", first)
+        second = (await agent.ask("Hello from another conversation")).data["conversation"]
+        runs = await agent.list_runs()
+
+    said = {(run.conversation_id, message["content"]) for run in runs for message in json.loads(run.input)}
+    assert said == {(first, "Remember the word heliotrope"), (first, "And the word lantern"),
+                    (second, "Hello from another conversation")}
+
+
 async def test_a_message_that_never_reached_the_thread_keeps_its_text_in_its_run(open_service, db_path):
     async with open_service() as agent:
         conversation = (await agent.ask("hello")).data["conversation"]

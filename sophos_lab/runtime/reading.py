@@ -55,20 +55,24 @@ class Reading:
         return await self.store.conversation_page(limit, after)
 
     async def list_runs(self, conversation: str | None = None) -> list[Run]:
+        """The conversation's runs in start order (every conversation's, with no user acting),
+        each naming the messages it carried with their text."""
         if conversation is None:
             if users.acting_user.get() is not None:
                 raise SophosError(errors.BAD_REQUEST, "A user lists the runs of one conversation of theirs at a time.")
-            return await self.store.list_runs(None)
-        conversation_id = await self._owned(conversation)
-        runs = await self.store.list_runs(conversation_id)
-        if not any(run.input and '"content"' not in run.input for run in runs):
-            return runs
-        # A finished run's row keeps its messages' ids; their text is in the thread, stored once.
-        state = await (await self._graph_ready()).aget_state(thread_config(conversation_id))
-        text = {m["id"]: m["content"] for m in message_dtos(state.values.get("messages", []))}
+            runs = await self.store.list_runs(None)
+        else:
+            runs = await self.store.list_runs(await self._owned(conversation))
+        # A finished run's row keeps its messages' ids; their text is in the thread, stored once:
+        # each thread that holds some is read once.
+        texts: dict[str, dict[str, str]] = {}
+        for run in runs:
+            if run.input and '"content"' not in run.input and run.conversation_id not in texts:
+                state = await (await self._graph_ready()).aget_state(thread_config(run.conversation_id))
+                texts[run.conversation_id] = {m["id"]: m["content"] for m in message_dtos(state.values.get("messages", []))}
         return [replace(run, input=json.dumps([m if "content" in m else {**m, "content": text.get(m["id"])}
                                                for m in json.loads(run.input)], ensure_ascii=False))
-                if run.input else run for run in runs]
+                if run.input and (text := texts.get(run.conversation_id)) is not None else run for run in runs]
 
     async def conversation_summary(self, conversation: str) -> Conversation:
         """The conversation's row, once a dead owner's run on it is recovered; no thread read."""
