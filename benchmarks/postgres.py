@@ -7,10 +7,15 @@ one async connection in pipeline mode, autocommit, dict rows), doing the same wo
 - time per step: the same 10-turn conversation as `steps.py` (scripted model, zero token
   delay, no MCP servers), the kit's `AgentService` with `DATABASE_URL` against bare LangGraph
   (`anchors.bare_graph`: the same graph, `DeltaChannel` with LangGraph's batch reducer,
-  durability "sync"), each on a fresh database, interleaved;
+  durability "sync"), each on a fresh database, interleaved; and against the same bare LangGraph
+  with a run record of its own (`run_bare_with_run_records`: a `running` row committed before
+  each turn and its outcome after, the least that the contract's "the run is on disk before
+  anyone is told" adds, whoever writes it);
 - storage: one thread of 200 turns of 4 KB (`growth.py`'s turns) on each side, fresh databases,
   then every table of the database (`pg_total_relation_size`: rows, TOAST and indexes; the kit's
-  app tables included) after a plain VACUUM on both; and LangGraph's three tables alone;
+  app tables included) after a plain VACUUM on both; the same less what those tables hold freshly
+  migrated (the thread's own rows, without the schema's fixed cost: each empty table and index
+  takes a page or two); and LangGraph's three tables alone;
 - the listing of 10,000 conversations of 3 runs each (`listing.py`'s rows): the kit's
   `list_conversations()` and `conversation_page` on PostgreSQL against the original's own
   summary query on the same server (the original's columns and its one index,
@@ -44,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from anchors import PROMPT, bare_graph, postgres_saver  # noqa: E402
 from listing import ORIGINAL_LISTING as SQLITE_ORIGINAL_LISTING  # noqa: E402
-from steps import TURNS, _turns, run_kit  # noqa: E402
+from steps import MESSAGE, TURNS, _turns, run_kit  # noqa: E402
 
 from sophos_lab.lab import postgres_server  # noqa: E402
 from sophos_lab.standins._proc import stop_server  # noqa: E402
@@ -99,15 +104,46 @@ async def run_bare_postgres(url: str, database_url: str) -> float:
         return await _turns(bare_graph(url, saver), {"configurable": {"thread_id": "bench"}, "recursion_limit": 25})
 
 
+# A run record of the user's own: the least a durable run adds to bare LangGraph.
+RUN_RECORDS = """CREATE TABLE runs (id TEXT PRIMARY KEY, thread_id TEXT NOT NULL, status TEXT NOT NULL,
+    started_at TIMESTAMPTZ NOT NULL, finished_at TIMESTAMPTZ)"""
+
+
+async def run_bare_with_run_records(url: str, database_url: str) -> float:
+    """As `run_bare_postgres`, each turn's run recorded as the kit's contract asks: a `running`
+    row committed before the graph starts, its outcome committed after it ends (one autocommit
+    statement each, on a connection of their own, as a user would add them)."""
+    import uuid
+
+    import psycopg
+    from langchain_core.messages import HumanMessage
+
+    async with postgres_saver(database_url) as saver, \
+            await psycopg.AsyncConnection.connect(database_url, autocommit=True) as records:
+        await records.execute(RUN_RECORDS)
+        graph, config = bare_graph(url, saver), {"configurable": {"thread_id": "bench"}, "recursion_limit": 25}
+        start = time.perf_counter()
+        for turn in range(TURNS):
+            run_id = str(uuid.uuid4())
+            await records.execute("INSERT INTO runs VALUES (%s, 'bench', 'running', now(), NULL)", (run_id,))
+            async for _ in graph.astream({"messages": [HumanMessage(MESSAGE.format(turn))]}, config,
+                                         stream_mode="messages", durability="sync"):
+                pass
+            await records.execute("UPDATE runs SET status = 'completed', finished_at = now() WHERE id = %s", (run_id,))
+        return time.perf_counter() - start
+
+
 async def steps(server_url: str, model_url: str, rounds: int) -> dict[str, list[float]]:
     """Milliseconds per step of each side, one figure per round (the rounds interleave them)."""
-    results: dict[str, list[float]] = {"kit": [], "bare": []}
+    results: dict[str, list[float]] = {"kit": [], "bare": [], "bare_with_run_records": []}
     for _ in range(rounds):
         for name in results:
             with tempfile.TemporaryDirectory() as tmp:
                 database = postgres_server.new_database(server_url, f"bench_{name}")
                 if name == "bare":
                     seconds = await run_bare_postgres(model_url, database)
+                elif name == "bare_with_run_records":
+                    seconds = await run_bare_with_run_records(model_url, database)
                 else:
                     seconds = await run_kit(model_url, Path(tmp), database_url=database)
                 postgres_server.drop_database(server_url, database)
@@ -144,6 +180,7 @@ async def kit_thread(url: str, folder: Path, database_url: str, turns: int) -> N
         "OLLAMA_HOST": url, "OLLAMA_MODEL": "scripted", "DATABASE_URL": database_url, "CONFIG_DIR": str(config),
         "MEMORY_FILE_PATH": str(folder / "memory.jsonl"), "DATABASE_PATH": str(folder / "unused.db")}))
     try:
+        await service.open()  # the app tables and LangGraph's, migrated (`storage` measures them empty)
         conversation = None
         for turn in range(turns):
             run = await service.chat(user_message(turn), conversation)
@@ -165,15 +202,23 @@ async def bare_thread(url: str, database_url: str, turns: int) -> None:
 
 
 async def storage(server_url: str, model_url: str, turns: int, rounds: int) -> dict[str, list[float]]:
-    """MB of every table and of LangGraph's tables, each side, one figure per round."""
-    found: dict[str, list[float]] = {"kit": [], "bare": [], "kit_langgraph": [], "bare_langgraph": []}
+    """MB of every table, of the thread's own rows (every table less the same tables freshly
+    migrated: the schema's fixed cost left out) and of LangGraph's tables, each side, one
+    figure per round."""
+    found: dict[str, list[float]] = {"kit": [], "bare": [], "kit_langgraph": [], "bare_langgraph": [],
+                                     "kit_thread": [], "bare_thread": []}
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as tmp:
             kit_db, bare_db = (postgres_server.new_database(server_url, name) for name in ("kit", "bare"))
+            await kit_thread(model_url, Path(tmp), kit_db, 0)
+            async with postgres_saver(bare_db):
+                pass
+            empty = {"kit": table_bytes(kit_db), "bare": table_bytes(bare_db)}
             await kit_thread(model_url, Path(tmp), kit_db, turns)
             await bare_thread(model_url, bare_db, turns)
             for name, database in (("kit", kit_db), ("bare", bare_db)):
                 found[name].append(table_bytes(database) / 1e6)
+                found[f"{name}_thread"].append((table_bytes(database) - empty[name]) / 1e6)
                 found[f"{name}_langgraph"].append(table_bytes(database, LANGGRAPH_TABLES) / 1e6)
                 postgres_server.drop_database(server_url, database)
     return found
@@ -370,9 +415,15 @@ def rows(quick: bool = False) -> list[dict]:
     out = [
         {"benchmark": "postgres", "measure": f"time per step on PostgreSQL, durability sync ({scale})",
          "kit_runs": found["steps"]["kit"], "bare_runs": found["steps"]["bare"], "unit": "ms"},
+        {"benchmark": "postgres", "measure": f"time per step on PostgreSQL, bare with a run record of its own: a "
+         f"`running` row committed before each turn, its outcome after ({scale})",
+         "kit_runs": found["steps"]["kit"], "bare_runs": found["steps"]["bare_with_run_records"], "unit": "ms"},
         {"benchmark": "postgres", "measure": f"one {turns}-turn thread of 4 KB turns: every table of the database "
          "(the kit's app tables included), after VACUUM", "kit_runs": sizes["kit"], "bare_runs": sizes["bare"],
          "unit": "MB"},
+        {"benchmark": "postgres", "measure": f"one {turns}-turn thread of 4 KB turns: its own rows (every table, "
+         "less the same tables freshly migrated), after VACUUM", "kit_runs": sizes["kit_thread"],
+         "bare_runs": sizes["bare_thread"], "unit": "MB"},
         {"benchmark": "postgres", "measure": f"one {turns}-turn thread of 4 KB turns: LangGraph's tables alone",
          "kit_runs": sizes["kit_langgraph"], "bare_runs": sizes["bare_langgraph"], "unit": "MB"},
     ]
