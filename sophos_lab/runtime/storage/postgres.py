@@ -196,10 +196,16 @@ class PostgresConnector:
         async with self.connection() as conn:
             try:
                 with _conflicts():  # a statement sent without waiting is refused at the commit
-                    async with conn.pipeline() as pipeline, conn.transaction():
-                        yield PostgresTx(conn, pipeline)
-                        if rollback:
-                            raise psycopg.Rollback()  # leaves the block quietly: counted, nothing changed
+                    try:
+                        # BEGIN and COMMIT as statements of the pipeline: psycopg's own transaction
+                        # block there waits for a sync of its own at the end, one round trip more.
+                        async with conn.pipeline() as pipeline:
+                            await conn.execute("BEGIN", prepare=False)
+                            yield PostgresTx(conn, pipeline)
+                            await conn.execute("ROLLBACK" if rollback else "COMMIT", prepare=False)
+                    except BaseException:
+                        await _roll_back(conn)
+                        raise
             except psycopg.errors.DiskFull as error:
                 raise SophosError(STORAGE_FULL, f"The database server has no space left: {error}".strip()) from error
 
@@ -245,6 +251,16 @@ async def connect(url: str, **options: Any) -> psycopg.AsyncConnection:
                                                      prepare_threshold=PREPARE_THRESHOLD, options=session, **options)
     except psycopg.OperationalError as error:
         raise SophosError(DATABASE_UNAVAILABLE, f"Cannot reach the database at DATABASE_URL: {error}".strip()) from error
+
+
+async def _roll_back(conn: psycopg.AsyncConnection) -> None:
+    """End the transaction a failed or cancelled block left open (a refused statement leaves it
+    aborted), so the connection can be lent again; one that cannot is closed by `connection`.
+    psycopg's `rollback` also forgets the statements it prepared: a pipeline that a refusal cut
+    short skipped the preparing of those after it."""
+    if not (conn.closed or conn.broken):
+        with contextlib.suppress(psycopg.Error):
+            await conn.rollback()
 
 
 def _usable(conn: psycopg.AsyncConnection) -> bool:
