@@ -173,3 +173,14 @@ async def test_a_start_after_a_run_that_is_no_longer_the_latest_writes_nothing(o
 
         await storage.start_run("third", "talk", [{"id": "m3", "content": "read again"}], after=("second", "cancelled"))
         assert [run.status for run in await storage.list_runs("talk")] == ["completed", "cancelled", "running"]
+
+
+
+async def test_reads_after_a_rolled_back_transaction_find_what_was_there_before(opened):
+    """A dry run's transaction is rolled back; the connection it used serves the next reads as
+    before (on PostgreSQL, with the statements they prepare on their first use)."""
+    async with opened() as storage:
+        async with storage.transaction(rollback=True) as tx:
+            await add_conversation(tx, "counted, never kept")
+        for _ in range(3):
+            assert await conversation_ids(storage) == []

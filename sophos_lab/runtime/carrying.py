@@ -39,7 +39,7 @@ class Carrying:
                 f"The thread's last turn holds {len(unasked)} tool call(s) that need approval "
                 f"({', '.join(unasked)}), and its run stopped before it asked: resume() to reach "
                 "the gate, then approve or reject them."))
-        return await self._pending_input(conversation_id, state.metadata) if latest.input else []
+        return unapplied_input(latest.id, latest.input, (state.metadata or {}).get("run_id")) if latest.input else []
 
     async def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
         """The messages of the latest run if they never reached the thread, else [].

@@ -56,7 +56,8 @@ class Reading:
 
     async def list_runs(self, conversation: str | None = None) -> list[Run]:
         """The conversation's runs in start order (every conversation's, with no user acting),
-        each naming the messages it carried with their text."""
+        each naming the messages it carried with their text: every conversation's thread is
+        read once for it, so the whole list is for a lab's file, not a large server's."""
         if conversation is None:
             if users.acting_user.get() is not None:
                 raise SophosError(errors.BAD_REQUEST, "A user lists the runs of one conversation of theirs at a time.")

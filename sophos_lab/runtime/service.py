@@ -172,8 +172,8 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
         graph = await self._graph_ready()
         await self._recover(conversation_id)
         await self._check_not_waiting(conversation_id)
+        latest = await self.store.latest_run(conversation_id)  # before the thread: see `after`
         state = await graph.aget_state(thread_config(conversation_id))
-        latest = await self.store.latest_run(conversation_id)
         pending = [] if latest is None else unapplied_input(latest.id, latest.input, (state.metadata or {}).get("run_id"))
         if not work_left(state) and not pending:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")

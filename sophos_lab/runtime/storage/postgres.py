@@ -202,10 +202,13 @@ class PostgresConnector:
                         async with conn.pipeline() as pipeline:
                             await conn.execute("BEGIN", prepare=False)
                             yield PostgresTx(conn, pipeline)
-                            await conn.execute("ROLLBACK" if rollback else "COMMIT", prepare=False)
+                            if not rollback:
+                                await conn.execute("COMMIT", prepare=False)
                     except BaseException:
                         await _roll_back(conn)
                         raise
+                    if rollback:  # counted, nothing changed
+                        await conn.rollback()
             except psycopg.errors.DiskFull as error:
                 raise SophosError(STORAGE_FULL, f"The database server has no space left: {error}".strip()) from error
 
@@ -242,9 +245,9 @@ class PostgresConnector:
 
 async def connect(url: str, **options: Any) -> psycopg.AsyncConnection:
     """Autocommit (a statement outside a transaction is its own, as in SQLite's autocommit
-    mode), dict rows (LangGraph's savers need them), and no prepared statements, which break
-    behind a transaction-mode pooler; a server that cannot be reached is `DATABASE_UNAVAILABLE`
-    (it may be restarting: the next call connects again)."""
+    mode), dict rows (LangGraph's savers need them), statements prepared on first use
+    (`PREPARE_THRESHOLD`); a server that cannot be reached is `DATABASE_UNAVAILABLE` (it may be
+    restarting: the next call connects again)."""
     session = f"{SESSION_OPTIONS} {options.pop('options', '')}".strip()
     try:
         return await psycopg.AsyncConnection.connect(url, autocommit=True, row_factory=dict_row,
@@ -256,8 +259,11 @@ async def connect(url: str, **options: Any) -> psycopg.AsyncConnection:
 async def _roll_back(conn: psycopg.AsyncConnection) -> None:
     """End the transaction a failed or cancelled block left open (a refused statement leaves it
     aborted), so the connection can be lent again; one that cannot is closed by `connection`.
-    psycopg's `rollback` also forgets the statements it prepared: a pipeline that a refusal cut
-    short skipped the preparing of those after it."""
+
+    Through psycopg's `rollback`, never a `ROLLBACK` statement: psycopg forgets its prepared
+    statements at any rollback (what they name may have gone with it), and `rollback` drops them
+    on the server at once, where after a statement that drop would wait for the next one, which
+    may be a read that prepares its own statement first and then loses it."""
     if not (conn.closed or conn.broken):
         with contextlib.suppress(psycopg.Error):
             await conn.rollback()
