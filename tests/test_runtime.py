@@ -390,3 +390,32 @@ async def test_a_message_read_against_a_run_another_process_then_stopped_still_c
     assert interleaved == ["read"]
     said = [message["content"] for message in detail.messages if message["role"] == "user"]
     assert said == ["hello", "Remember the word heliotrope", "What word did I ask you to remember?"]
+
+
+async def test_a_message_whose_conversation_moves_on_under_it_twice_is_refused_with_nothing_written(open_service):
+    # Each time A has read the conversation, a second process on the database has a run of its
+    # own on it before A writes: A reads again once, then refuses, writing nothing.
+    import threading
+
+    async def another_turn(conversation: str) -> None:
+        async with open_service() as other:
+            assert (await other.ask("A message from the other process", conversation)).event == "end"
+
+    async with open_service() as agent:
+        conversation = (await agent.ask("hello")).data["conversation"]
+
+        def meanwhile(point: str) -> None:
+            if point == "read":
+                other = threading.Thread(target=asyncio.run, args=(another_turn(conversation),))
+                other.start()
+                other.join()
+
+        agent.at_point = meanwhile
+        with pytest.raises(SophosError) as refused:
+            await agent.chat("Mine, read before theirs", conversation)
+        agent.at_point = None
+        runs = await agent.list_runs(conversation)
+
+    assert refused.value.code == SESSION_IN_PROGRESS
+    said = [message["content"] for run in runs for message in json.loads(run.input)]
+    assert said == ["hello", "A message from the other process", "A message from the other process"]
