@@ -111,5 +111,17 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE runs ADD COLUMN last_event_id INTEGER NOT NULL DEFAULT 0;
     """,
+    # v7: fewer index entries a turn. An identity column's values are unique without an index
+    # of their own (the listing and the queue order by `seq` through the indexes that hold it);
+    # the users' index holds only conversations that have a user, and the two updates of a
+    # conversation's row a turn (no update of it is HOT: `updated_at` is indexed for the
+    # listing) no longer add an entry there for each of a lab's conversations, which have none.
+    """
+    ALTER TABLE conversations DROP CONSTRAINT conversations_seq_key;
+    ALTER TABLE runs DROP CONSTRAINT runs_seq_key;
+    ALTER TABLE gates DROP CONSTRAINT gates_seq_key;
+    DROP INDEX conversations_by_user;
+    CREATE INDEX conversations_by_user ON conversations (user_id) WHERE user_id IS NOT NULL;
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
