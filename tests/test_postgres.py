@@ -438,3 +438,34 @@ def test_a_store_whose_connection_the_server_ended_opens_again_as_the_same_owner
     assert store.get_conversation("c-1").title == "hello"  # the hung-up connection is seen and opened again
     assert store.owner.id == owner
     store.close()
+
+
+async def test_a_transaction_cancelled_while_it_waits_for_the_server_writes_nothing_and_the_next_one_commits(url):
+    # The plan's insert is sent, then it waits on the server (pg_sleep) and its caller is
+    # cancelled there: the COMMIT is never sent, and the connection, mid-statement, is not lent
+    # again; a transaction after it commits as usual.
+    storage = postgres_storage(url)
+    await storage.open()
+    try:
+        waiting = asyncio.Event()
+
+        async def cancelled() -> None:
+            async with storage.transaction() as tx:
+                await tx.send("INSERT INTO conversations (id, title, created_at, updated_at)"
+                              " VALUES ('cancelled', 'a plan', '2026-12-05', '2026-12-05')")
+                waiting.set()
+                await tx.execute("SELECT pg_sleep(5)")
+
+        task = asyncio.ensure_future(cancelled())
+        await waiting.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        async with storage.transaction() as tx:
+            await tx.send("INSERT INTO conversations (id, title, created_at, updated_at)"
+                          " VALUES ('after', 'a plan', '2026-12-05', '2026-12-05')")
+        async with storage.reading() as tx:
+            assert [row[0] for row in await tx.tuples("SELECT id FROM conversations ORDER BY id")] == ["after"]
+    finally:
+        await storage.aclose()
