@@ -442,8 +442,8 @@ def test_a_store_whose_connection_the_server_ended_opens_again_as_the_same_owner
 
 async def test_a_transaction_cancelled_while_it_waits_for_the_server_writes_nothing_and_the_next_one_commits(url):
     # The plan's insert is sent, then it waits on the server (pg_sleep) and its caller is
-    # cancelled there: the COMMIT is never sent, and the connection, mid-statement, is not lent
-    # again; a transaction after it commits as usual.
+    # cancelled there: the COMMIT is never sent, the transaction is rolled back, and a
+    # transaction after it commits as usual.
     storage = postgres_storage(url)
     await storage.open()
     try:

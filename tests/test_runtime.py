@@ -6,6 +6,7 @@ process: its store, its checkpointer and its MCP servers open on first use.
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import roles, statuses
@@ -359,7 +360,6 @@ async def test_a_message_read_against_a_run_another_process_then_stopped_still_c
     # A reads the conversation (its latest run completed) to take a new message. Before A writes
     # its run, a second process on the database takes a message of its own, which is cancelled
     # before it reaches the thread. A's run must carry that message on, as if A had read after.
-    import threading
 
     async def second_process_s_message(conversation: str) -> None:
         async with open_service() as other:
@@ -378,9 +378,8 @@ async def test_a_message_read_against_a_run_another_process_then_stopped_still_c
 
         def meanwhile(point: str) -> None:  # A's loop waits here: the other process runs to its end
             if point == "read" and not interleaved:
-                other = threading.Thread(target=asyncio.run, args=(second_process_s_message(conversation),))
-                other.start()
-                other.join()
+                with ThreadPoolExecutor(1) as other:  # its loop in a thread of its own; its errors raised here
+                    other.submit(asyncio.run, second_process_s_message(conversation)).result()
                 interleaved.append(point)
 
         agent.at_point = meanwhile
@@ -395,7 +394,6 @@ async def test_a_message_read_against_a_run_another_process_then_stopped_still_c
 async def test_a_message_whose_conversation_moves_on_under_it_twice_is_refused_with_nothing_written(open_service):
     # Each time A has read the conversation, a second process on the database has a run of its
     # own on it before A writes: A reads again once, then refuses, writing nothing.
-    import threading
 
     async def another_turn(conversation: str) -> None:
         async with open_service() as other:
@@ -406,9 +404,8 @@ async def test_a_message_whose_conversation_moves_on_under_it_twice_is_refused_w
 
         def meanwhile(point: str) -> None:
             if point == "read":
-                other = threading.Thread(target=asyncio.run, args=(another_turn(conversation),))
-                other.start()
-                other.join()
+                with ThreadPoolExecutor(1) as other:
+                    other.submit(asyncio.run, another_turn(conversation)).result()
 
         agent.at_point = meanwhile
         with pytest.raises(SophosError) as refused:

@@ -208,7 +208,7 @@ class PostgresConnector:
                         await _roll_back(conn)
                         raise
                     if rollback:  # counted, nothing changed
-                        await conn.rollback()
+                        await _roll_back(conn)
             except psycopg.errors.DiskFull as error:
                 raise SophosError(STORAGE_FULL, f"The database server has no space left: {error}".strip()) from error
 
