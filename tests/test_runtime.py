@@ -356,6 +356,12 @@ async def test_with_a_short_lease_every_final_event_matches_the_record(open_serv
     assert set(recorded.values()) == {"completed"} and len(recorded) == 200
 
 
+def meanwhile_elsewhere(coroutine) -> None:
+    """Run `coroutine` (a second service on the test's database) to its end on a loop of its own
+    in another thread, while the caller's loop waits; its errors are raised here."""
+    with ThreadPoolExecutor(1) as other:
+        other.submit(asyncio.run, coroutine).result()
+
 async def test_a_message_read_against_a_run_another_process_then_stopped_still_carries_that_run_s_message(open_service):
     # A reads the conversation (its latest run completed) to take a new message. Before A writes
     # its run, a second process on the database takes a message of its own, which is cancelled
@@ -378,8 +384,7 @@ async def test_a_message_read_against_a_run_another_process_then_stopped_still_c
 
         def meanwhile(point: str) -> None:  # A's loop waits here: the other process runs to its end
             if point == "read" and not interleaved:
-                with ThreadPoolExecutor(1) as other:  # its loop in a thread of its own; its errors raised here
-                    other.submit(asyncio.run, second_process_s_message(conversation)).result()
+                meanwhile_elsewhere(second_process_s_message(conversation))
                 interleaved.append(point)
 
         agent.at_point = meanwhile
@@ -404,8 +409,7 @@ async def test_a_message_whose_conversation_moves_on_under_it_twice_is_refused_w
 
         def meanwhile(point: str) -> None:
             if point == "read":
-                with ThreadPoolExecutor(1) as other:
-                    other.submit(asyncio.run, another_turn(conversation)).result()
+                meanwhile_elsewhere(another_turn(conversation))
 
         agent.at_point = meanwhile
         with pytest.raises(SophosError) as refused:

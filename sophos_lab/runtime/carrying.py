@@ -14,6 +14,12 @@ from .errors import SophosError
 from .storage.models import Run, unapplied_input
 
 
+def pending_after(latest: Run | None, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
+    """The messages of `latest`, the conversation's latest run, if they never reached the thread
+    whose latest checkpoint has `metadata` (None: the thread has none), else []."""
+    return [] if latest is None else unapplied_input(latest.id, latest.input, (metadata or {}).get("run_id"))
+
+
 class Carrying:
     """`AgentService`'s reads of what a run's input is to carry on, and what a conversation counts."""
 
@@ -39,16 +45,13 @@ class Carrying:
                 f"The thread's last turn holds {len(unasked)} tool call(s) that need approval "
                 f"({', '.join(unasked)}), and its run stopped before it asked: resume() to reach "
                 "the gate, then approve or reject them."))
-        return unapplied_input(latest.id, latest.input, (state.metadata or {}).get("run_id")) if latest.input else []
+        return pending_after(latest, state.metadata)
 
     async def _pending_input(self, conversation_id: str, metadata: dict[str, Any] | None) -> list[dict[str, str]]:
         """The messages of the latest run if they never reached the thread, else [].
 
         `metadata` is that of the thread's latest checkpoint (None when there is none)."""
-        latest = await self.store.latest_run(conversation_id)
-        if latest is None:
-            return []
-        return unapplied_input(latest.id, latest.input, (metadata or {}).get("run_id"))
+        return pending_after(await self.store.latest_run(conversation_id), metadata)
 
     async def _message_count(self, graph: Any, conversation_id: str) -> int | None:
         try:

@@ -37,7 +37,7 @@ from .agent import (
     AGENT_NODES, ATTEMPT_WATCH, CARRIED_DECISIONS, AgentParts, AttemptWatch, build_graph, chat_model, check_config,
     classify_failure, read_system_prompt, thread_config,
 )
-from .carrying import Carrying
+from .carrying import Carrying, pending_after
 from .checkpointer import DurableWrite, NotifyingSaver, WriteObserver, is_fenced
 from .control import Control
 from .errors import SophosError
@@ -50,8 +50,7 @@ from .reading import Reading
 from .requests import canonical_request, parse_conversation_id, parse_message
 from .settings import Settings
 from .storage import open_storage
-from .storage.models import (Conversation, Gate, IdempotencyKey, LatestRunChanged, Seen, carried_ids, seen,
-                             unapplied_input, utc_now)
+from .storage.models import Conversation, Gate, IdempotencyKey, LatestRunChanged, Seen, carried_ids, seen, utc_now
 from .tools import McpTools, approval_rule, mcp_servers
 
 log = logging.getLogger(__name__)
@@ -174,7 +173,7 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
         await self._check_not_waiting(conversation_id)
         latest = await self.store.latest_run(conversation_id)  # before the thread: see `after`
         state = await graph.aget_state(thread_config(conversation_id))
-        pending = [] if latest is None else unapplied_input(latest.id, latest.input, (state.metadata or {}).get("run_id"))
+        pending = pending_after(latest, state.metadata)
         if not work_left(state) and not pending:
             raise SophosError(errors.RUN_NOT_RESUMABLE, "Nothing to resume: the last run finished")
         decided = await self._decided_gate(conversation_id, state.interrupts)
