@@ -176,6 +176,33 @@ async def test_a_start_after_a_run_that_is_no_longer_the_latest_writes_nothing(o
 
 
 
+async def test_a_refused_outcome_leaves_the_conversation_and_its_gates_as_they_were(opened):
+    """An outcome is written only over a run still `running` under this owner. The transaction
+    does not wait for that update's answer before its commit: the conversation's count and the
+    gate follow the run's row as the update left it, so a refused one writes none of them."""
+    from sophos_lab.runtime.storage.models import Gate
+
+    async def gates(storage) -> list[tuple]:
+        async with storage.reading() as tx:
+            return await tx.tuples("SELECT id, run_id FROM gates WHERE conversation_id = 'talk'")
+
+    async with opened() as storage:
+        await storage.start_run("first", "talk", [{"id": "m1", "content": "hello"}], title="hello")
+        assert await storage.finish_run("first", "completed", 2) is True
+        recorded = await storage.get_conversation("talk")
+        gate = Gate(id="g1", conversation_id="talk", run_id="first", calls=[{"name": "pay"}], created_at="")
+
+        assert await storage.finish_run("first", "waiting", 7, gate=gate) is False  # recorded already
+        now = await storage.get_conversation("talk")
+        assert (now.message_count, now.updated_at) == (recorded.message_count, recorded.updated_at) == (2, recorded.updated_at)
+        assert await gates(storage) == []
+        assert [run.status for run in await storage.list_runs("talk")] == ["completed"]
+
+        await storage.start_run("second", "talk", [{"id": "m2", "content": "pay"}], after=("first", "completed"))
+        assert await storage.finish_run("second", "waiting", 4, gate=gate) is True
+        assert (await storage.get_conversation("talk")).message_count == 4
+        assert await gates(storage) == [("g1", "second")]
+
 async def test_reads_after_a_rolled_back_transaction_find_what_was_there_before(opened):
     """A dry run's transaction is rolled back; the connection it used serves the next reads as
     before (on PostgreSQL, with the statements they prepare on their first use)."""

@@ -61,6 +61,18 @@ _NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 """A named parameter: `:name`, not a cast (`::jsonb`)."""
 
 
+class Sent:
+    """A statement sent with `Tx.counted`: how many rows it changed, once the transaction has
+    ended (PostgreSQL reads the count with the `COMMIT`'s answer, SQLite has it at once)."""
+
+    def __init__(self, count: Callable[[], int]) -> None:
+        self._count = count
+
+    @property
+    def rowcount(self) -> int:
+        return self._count()
+
+
 class Tx:
     """One connection's statements: inside a transaction (`Connector.transaction`), or reads.
 
@@ -77,6 +89,12 @@ class Tx:
         (PostgreSQL pipelines it), so its error, if any, may come at the next statement that
         is waited for, or at the commit."""
         await self.execute(sql, params)
+
+    async def counted(self, sql: str, params: Params = None) -> Sent:
+        """`send`, its row count kept for after the transaction (`Sent`): a rule that only
+        reports the count, and decides nothing by it before the commit, waits for nothing."""
+        count = await self.execute(sql, params)
+        return Sent(lambda: count)
 
     async def rows(self, sql: str, params: Params = None) -> list[dict[str, Any]]:
         raise NotImplementedError

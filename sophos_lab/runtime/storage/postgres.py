@@ -44,7 +44,7 @@ from psycopg.rows import dict_row, tuple_row
 from ..checkpointer import Notifying
 from ..errors import CONFIG_ERROR, DATABASE_UNAVAILABLE, SCHEMA_TOO_NEW, STORAGE_FULL, SophosError
 from . import postgres_queue
-from .connector import Conflict, Dialect, Params, Plan, T, Tx
+from .connector import Conflict, Dialect, Params, Plan, Sent, T, Tx
 from .postgres_retention import PostgresRetention
 from .postgres_schema import MIGRATION_LOCK, MIGRATIONS, SCHEMA_VERSION
 
@@ -124,6 +124,14 @@ class PostgresTx(Tx):
             return
         with _conflicts():
             await self.conn.cursor().execute(DIALECT.prepare(sql), params or {})
+
+    async def counted(self, sql: str, params: Params = None) -> Sent:
+        if self.pipeline is None:
+            return await super().counted(sql, params)
+        cursor = self.conn.cursor()
+        with _conflicts():
+            await cursor.execute(DIALECT.prepare(sql), params or {})
+        return Sent(lambda: cursor.rowcount)  # known once the pipeline has synced: at the COMMIT
 
     async def execute(self, sql: str, params: Params = None) -> int:
         return (await self._cursor(sql, params)).rowcount

@@ -35,7 +35,7 @@ from ..counting import thread_count
 from ..errors import (CANCELLED, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KEY_REUSED, NOT_FOUND,
                       SESSION_IN_PROGRESS, STORAGE_FULL, SophosError)
 from ..ownership import Owner, owner_gone
-from .connector import Conflict, Plan, T, Tx
+from .connector import Conflict, Plan, Sent, T, Tx
 from .models import (PAGE_SIZE, CONVERSATION_FIELDS, Conversation, ConversationPage, Gate, IdempotencyKey,
                      LatestRunChanged, ListingPosition, Run, Seen, conversations_of, encode_cursor, run_of,
                      title_from_message, utc_now)
@@ -560,27 +560,32 @@ class Storage(RunReads):
         if self.single_owner:  # another process may fork the thread past this run: keep the text
             input_ids = None
 
-        async def finish(tx: Tx) -> bool:
-            updated = await tx.execute(
+        # The conversation's row and the gate follow the run's only if its update applied: they
+        # look for the row as that update left it (its status and this `now`, to the microsecond,
+        # written by this call), so the transaction waits for no answer before its COMMIT.
+        written = "SELECT {what} FROM runs WHERE id = :run_id AND status = :status AND finished_at = :now"
+
+        async def finish(tx: Tx) -> Sent:
+            updated = await tx.counted(
                 "UPDATE runs SET status = :status, error_code = :code, error_message = :message, finished_at = :now,"
                 " steps = steps + :steps, input = coalesce(:input_ids, input) WHERE id = :run_id" + mine
                 + " AND (cancel_requested_at IS NULL OR :status = 'cancelled')",
                 {"status": status, "code": error_code, "message": error_message, "now": now, "steps": steps,
                  "input_ids": input_ids, "run_id": run_id, "me": self.owner.id})
-            if updated and message_count is not None:
+            if message_count is not None:
                 await tx.send("UPDATE conversations SET message_count = :count, updated_at = :now"
-                                 " WHERE id = (SELECT conversation_id FROM runs WHERE id = :run_id)",
-                                 {"count": message_count, "now": now, "run_id": run_id})
-            if updated and gate is not None:
+                              " WHERE id = (" + written.format(what="conversation_id") + ")",
+                              {"count": message_count, "now": now, "run_id": run_id, "status": status})
+            if gate is not None:
                 await tx.send(
                     "INSERT INTO gates (id, conversation_id, run_id, calls, created_at)"
-                    " VALUES (:id, :conversation_id, :run_id, :calls, :now)"
+                    " SELECT :id, :conversation_id, :run_id, :calls, :now WHERE EXISTS (" + written.format(what="1") + ")"
                     " ON CONFLICT (conversation_id, id) DO UPDATE SET run_id = excluded.run_id",
                     {"id": gate.id, "conversation_id": gate.conversation_id, "run_id": run_id,
-                     "calls": json.dumps(gate.calls, ensure_ascii=False), "now": now})
-            return bool(updated)
+                     "calls": json.dumps(gate.calls, ensure_ascii=False), "now": now, "status": status})
+            return updated
 
-        return await self._transact(finish)
+        return bool((await self._transact(finish)).rowcount)
 
     async def request_cancel(self, run_id: str) -> bool:
         """Write that the run is to be cancelled, while it is still this owner's and `running`;
