@@ -347,7 +347,12 @@ class ToolHost:
 
     @property
     def discovered(self) -> bool:
-        return self._tools is not None and self._tools.done() and not self._tools.exception()
+        return self.found() is not None
+
+    def found(self) -> list[BaseTool] | None:
+        """The tools, once discovered (without waiting); else None."""
+        tools = self._tools
+        return tools.result() if tools is not None and tools.done() and not tools.exception() else None
 
     async def get(self) -> list[BaseTool]:
         """All tools; concurrent first callers share one discovery attempt."""
@@ -456,7 +461,9 @@ class McpTools:
         if host is None:
             host = self._hosts[user] = ToolHost(self._user_servers(user), self.log_dir,
                                                 (lambda name: name) if user is None else (lambda name: f"{name}-{user}"))
-        shared, own = await asyncio.gather(self._shared.get(), host.get())
+        shared, own = self._shared.found(), host.found()
+        if shared is None or own is None:  # a discovery to wait for (after it, every step of a run)
+            shared, own = await asyncio.gather(self._shared.get(), host.get())
         return [*shared, *own]
 
     def _user_servers(self, user: str | None) -> Callable[[], list[ServerConfig]]:
