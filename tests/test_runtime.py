@@ -362,43 +362,60 @@ def meanwhile_elsewhere(coroutine) -> None:
     with ThreadPoolExecutor(1) as other:
         other.submit(asyncio.run, coroutine).result()
 
+
+async def a_message_cancelled_elsewhere(open_service, conversation: str, text: str) -> None:
+    """A second process takes `text` in the conversation, and is cancelled before its run's first
+    checkpoint: the message is accepted, and never reaches the thread."""
+    async with open_service() as other:
+        def cancel_once_the_run_is_written(write) -> None:
+            if write.kind == "run":
+                cancels.append(asyncio.get_running_loop().create_task(other.cancel(conversation)))
+
+        cancels: list[asyncio.Task] = []
+        other.on_write = cancel_once_the_run_is_written
+        assert (await (await other.chat(text, conversation)).wait()).event == "chat-error"
+        await cancels[0]
+
+
 async def test_a_message_read_against_a_run_another_process_then_stopped_still_carries_that_run_s_message(open_service):
-    # A reads the conversation (its latest run completed) to take a new message. Before A writes
-    # its run, a second process on the database takes a message of its own, which is cancelled
-    # before it reaches the thread. A's run must carry that message on, as if A had read after.
-
-    async def second_process_s_message(conversation: str) -> None:
-        async with open_service() as other:
-            def cancel_once_the_run_is_written(write) -> None:  # before any checkpoint of its run
-                if write.kind == "run":
-                    cancels.append(asyncio.get_running_loop().create_task(other.cancel(conversation)))
-
-            cancels: list[asyncio.Task] = []
-            other.on_write = cancel_once_the_run_is_written
-            assert (await (await other.chat("Remember the word heliotrope", conversation)).wait()).event == "chat-error"
-            await cancels[0]
-
+    # A takes a new message on a conversation whose latest run completed (so A reads nothing
+    # first). Before A writes its run, a second process on the database takes a message of its
+    # own, which is cancelled before it reaches the thread. A's run must carry that message on,
+    # as if A had read after.
     async with open_service() as agent:
         conversation = (await agent.ask("hello")).data["conversation"]
-        interleaved = []
+        points = []
 
         def meanwhile(point: str) -> None:  # A's loop waits here: the other process runs to its end
-            if point == "read" and not interleaved:
-                meanwhile_elsewhere(second_process_s_message(conversation))
-                interleaved.append(point)
+            points.append(point)
+            if point == "settled":
+                meanwhile_elsewhere(a_message_cancelled_elsewhere(open_service, conversation,
+                                                                  "Remember the word heliotrope"))
 
         agent.at_point = meanwhile
         assert (await agent.ask("What word did I ask you to remember?", conversation)).event == "end"
         detail = await agent.get_conversation(conversation)
 
-    assert interleaved == ["read"]
+    assert points[:2] == ["settled", "read"]  # its assumption failed, so it read the conversation
     said = [message["content"] for message in detail.messages if message["role"] == "user"]
     assert said == ["hello", "Remember the word heliotrope", "What word did I ask you to remember?"]
 
 
-async def test_a_message_whose_conversation_moves_on_under_it_twice_is_refused_with_nothing_written(open_service):
-    # Each time A has read the conversation, a second process on the database has a run of its
-    # own on it before A writes: A reads again once, then refuses, writing nothing.
+async def test_a_message_on_a_conversation_whose_latest_run_completed_reads_nothing_before_its_start(open_service):
+    # The common case costs the start's transaction alone; the assumption is checked inside it.
+    async with open_service() as agent:
+        conversation = (await agent.ask("hello")).data["conversation"]
+        points = []
+        agent.at_point = points.append
+        assert (await agent.ask("and again", conversation)).event == "end"
+
+    assert points == ["settled", "budget", "outcome", "recorded"]  # no `read`, and the owner from the start
+
+
+async def test_a_message_whose_conversation_moves_on_under_it_each_time_is_refused_with_nothing_written(open_service):
+    # A's conversation has a stopped run, so A reads it before its start. Each time A has read
+    # it, a second process on the database has a run of its own there before A writes: A reads
+    # again once, then refuses, writing nothing.
 
     async def another_turn(conversation: str) -> None:
         async with open_service() as other:
@@ -406,8 +423,11 @@ async def test_a_message_whose_conversation_moves_on_under_it_twice_is_refused_w
 
     async with open_service() as agent:
         conversation = (await agent.ask("hello")).data["conversation"]
+        await a_message_cancelled_elsewhere(open_service, conversation, "Stopped before the thread")
+        points = []
 
         def meanwhile(point: str) -> None:
+            points.append(point)
             if point == "read":
                 meanwhile_elsewhere(another_turn(conversation))
 
@@ -418,5 +438,6 @@ async def test_a_message_whose_conversation_moves_on_under_it_twice_is_refused_w
         runs = await agent.list_runs(conversation)
 
     assert refused.value.code == SESSION_IN_PROGRESS
+    assert points == ["settled", "read", "read"]
     said = [message["content"] for run in runs for message in json.loads(run.input)]
-    assert said == ["hello", "A message from the other process", "A message from the other process"]
+    assert "Mine, read before theirs" not in said and len(runs) == 4

@@ -50,7 +50,7 @@ from .reading import Reading
 from .requests import canonical_request, parse_conversation_id, parse_message
 from .settings import Settings
 from .storage import open_storage
-from .storage.models import Conversation, Gate, IdempotencyKey, LatestRunChanged, Seen, carried_ids, seen, utc_now
+from .storage.models import SETTLED, Conversation, Gate, IdempotencyKey, LatestRunChanged, Seen, carried_ids, seen, utc_now
 from .tools import McpTools, approval_rule, mcp_servers
 
 log = logging.getLogger(__name__)
@@ -90,9 +90,9 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
         """PostgreSQL with workers: the `LISTEN` connection that wakes followers of remote runs."""
         self.at_point: Callable[[str], None] | None = None
         """Called by name just before the database calls of a run's life that a fault may hit:
-        `claimed` (a worker's claim committed, nothing read yet), `read` (a new message's
-        conversation and latest run read, nothing written yet), `owner`, `budget` and `outcome`.
-        Fault tests stop the database there (`SOPHOS_LAB_STOP_AT` stops a worker itself)."""
+        `claimed` (a worker's claim committed, nothing read yet), `settled` and `read` (a new
+        message, its conversation assumed settled or read, nothing written yet), `owner`,
+        `budget` and `outcome`. Fault tests stop the database there (`SOPHOS_LAB_STOP_AT` stops a worker itself)."""
         self.on_write: WriteObserver | None = None
         """Called right after each commit a run makes, in order, before any event tells of it:
         the run's row, each task's pending writes, each checkpoint, the outcome (see
@@ -118,12 +118,34 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
         if keyed is not None and (first := await self.first_run_of(keyed)) is not None:
             return first
         try:
+            if conversation_id is not None and (run := await self._chat_settled(text, conversation_id, keyed)):
+                return run
             return await self._taken(lambda: self._chat(text, conversation_id, keyed))
         except SophosError:
             # A request with the same key may have started its run while this one was checked.
             if keyed is not None and (first := await self.first_run_of(keyed)) is not None:
                 return first
             raise
+
+    async def _chat_settled(self, text: str, conversation_id: str, keyed: IdempotencyKey | None) -> ActiveRun | None:
+        """The common case, nothing read first: a message after a completed run starts expecting
+        just that (`SETTLED`, checked in the start's transaction). None, nothing written, if it is
+        not so, or a check `_chat` makes would refuse it (here busy, a bad config, a user's
+        limits): then `_chat` reads the conversation and decides in its own order."""
+        self._check_accepting()
+        if conversation_id in self.active or users.acting_user.get() is not None:
+            return None
+        try:
+            check_config(self.settings)
+        except SophosError:
+            return None
+        await self._graph_ready()
+        self._point("settled")
+        try:
+            return await self._launch(conversation_id, [{"id": str(uuid.uuid4()), "content": text}], resume=False,
+                                      idempotency=keyed, before="completed", after=SETTLED)
+        except LatestRunChanged:
+            return None
 
     async def _chat(self, text: str, conversation_id: str | None, keyed: IdempotencyKey | None) -> ActiveRun:
         self._check_accepting()
@@ -351,12 +373,14 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
             self._check_accepting()  # again, under the lock: a shutdown may have begun meanwhile
             await self._relabel_unrecorded(conversation_id, refuse=True)
             try:
-                await self.store.start_run(run.id, conversation_id, messages, title, idempotency, decision, after)
+                owner_read = await self.store.start_run(run.id, conversation_id, messages, title, idempotency,
+                                                        decision, after)
             except BaseException as error:  # a cancel or a cut connection: its commit may have landed,
                 if isinstance(error, asyncio.CancelledError) or errors.database_unavailable(error):
                     self._note_stray()  # the answer lost: a run of ours with no task
                 raise
             self.active[conversation_id] = run
+            run.owner = run.owner or owner_read
             self._observe(DurableWrite("run", conversation_id))
 
         await self._write(start)

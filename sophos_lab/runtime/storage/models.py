@@ -133,6 +133,17 @@ def seen(run: Run | None) -> Seen:
     return (None, None) if run is None else (run.id, run.status)
 
 
+SETTLED: Seen = (None, "completed")
+"""What a start that read nothing of its conversation expects (`after`): the latest run, whichever
+it is, completed, or no run at all. A new message assumes it, the common case, and reads the
+conversation only when it is not so (never a `seen` value: a run always has an id)."""
+
+
+def as_expected(latest: Seen, after: Seen) -> bool:
+    """Whether the conversation's latest run, read inside a start, is what its caller expected."""
+    return latest[1] in (None, "completed") if after == SETTLED else latest == after
+
+
 class LatestRunChanged(Exception):
     """A start refused, nothing written: the conversation's latest run is no longer the one its
     caller read (`Seen`); another process started a run there, or relabelled that one, meanwhile.

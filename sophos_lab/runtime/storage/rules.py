@@ -37,8 +37,8 @@ from ..errors import (CANCELLED, CANCELLED_MESSAGE, GATE_DECIDED, IDEMPOTENCY_KE
 from ..ownership import Owner, owner_gone
 from .connector import Conflict, Plan, Sent, T, Tx
 from .models import (PAGE_SIZE, CONVERSATION_FIELDS, Conversation, ConversationPage, Gate, IdempotencyKey,
-                     LatestRunChanged, ListingPosition, Run, Seen, conversations_of, encode_cursor, run_of,
-                     title_from_message, utc_now)
+                     LatestRunChanged, ListingPosition, Run, Seen, as_expected, conversations_of, encode_cursor,
+                     run_of, title_from_message, utc_now)
 from .reads import RunReads
 
 log = logging.getLogger(__name__)
@@ -444,25 +444,25 @@ class Storage(RunReads):
 
     async def start_run(self, run_id: str, conversation_id: str, input_messages: list[dict[str, str]] | None = None,
                         title: str | None = None, idempotency: IdempotencyKey | None = None,
-                        decision: tuple[Gate, dict[str, dict]] | None = None, after: Seen | None = None) -> None:
+                        decision: tuple[Gate, dict[str, dict]] | None = None,
+                        after: Seen | None = None) -> tuple[str | None] | None:
         """Start a run, in one transaction: the conversation (when `title` is given, it is new),
         this owner's lease, the `running` row with the messages it carries, `updated_at` and the
-        message count (with those messages), the request's idempotency key if it has one, and the
-        decisions on a gate if it carries some.
+        message count (with those messages), the request's idempotency key, a gate's decisions.
 
         An active run on the conversation makes the database refuse the row (a partial unique
         index: `SESSION_IN_PROGRESS`, whichever process or host tries); one of a gone owner is
-        relabelled first, and the start tried again. With a user acting, the transaction first
-        looks for the user's runs of gone owners (a crashed run holds no place in their limit);
-        without one, only the conversation's can be in the way, and the refusal finds it. The
-        relabelling reads the thread, so it runs apart. This owner's lease is written too,
-        unless it was a moment ago (`_lease_due`). A key already taken refuses the whole start
-        (`IDEMPOTENCY_KEY_REUSED`); a gate decided meanwhile (by another process) refuses it too
-        (`GATE_DECIDED`). With `after`, the conversation's latest run as the caller read it, a
-        start after another is refused with `LatestRunChanged`. On a full disk it is refused with
-        `STORAGE_FULL` and nothing of it is written.
+        relabelled first (apart: it reads the thread), and the start tried again. With a user
+        acting, the transaction first looks for the user's runs of gone owners (a crashed run
+        holds no place in their limit). The lease is written unless it was a moment ago
+        (`_lease_due`). A key already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`), a
+        gate decided meanwhile too (`GATE_DECIDED`). With `after` (the latest run as the caller
+        read it, or `SETTLED`), a start after another, or on a conversation gone, is refused with
+        `LatestRunChanged`; else it returns the owner read there, `(user id,)`. On a full disk:
+        `STORAGE_FULL`, nothing written.
         """
         user, due, began = users.acting_user.get(), self._lease_due(), time.monotonic()
+        owner: list[tuple[str | None] | None] = [None]
 
         async def start(tx: Tx, look: bool) -> bool:
             if look and await stale_runs(tx, self.owner, conversation_id, user):
@@ -470,8 +470,8 @@ class Storage(RunReads):
             if due:
                 await self._lease(tx)
             await users.check_limits(tx, "running", self.limits, utc_now())
-            await self._insert_run(tx, run_id, conversation_id, "running", self.owner.id, input_messages, title,
-                                   idempotency, decision, after)
+            owner[0] = await self._insert_run(tx, run_id, conversation_id, "running", self.owner.id, input_messages,
+                                              title, idempotency, decision, after)
             return True
 
         await self.open()
@@ -488,6 +488,7 @@ class Storage(RunReads):
             await self._starting(idempotency, lambda tx: start(tx, look=False))
         if due:
             self._leased_at = began
+        return owner[0]
 
     async def _starting(self, idempotency: IdempotencyKey | None, plan: Plan[T]) -> T:
         """`plan` in one transaction, a refused key or active run as the error a caller is given."""
@@ -503,7 +504,7 @@ class Storage(RunReads):
     async def _insert_run(tx: Tx, run_id: str, conversation_id: str, status: str, owner_id: str | None,
                           input_messages: list[dict[str, str]] | None, title: str | None,
                           idempotency: IdempotencyKey | None, decision: tuple[Gate, dict[str, dict]] | None,
-                          after: Seen | None = None) -> None:
+                          after: Seen | None = None) -> tuple[str | None] | None:
         now = utc_now()
         if title is not None:
             await tx.send("INSERT INTO conversations (id, title, created_at, updated_at, user_id)"
@@ -512,22 +513,25 @@ class Storage(RunReads):
                               "user_id": users.acting_user.get()})
         else:
             await users.check_owner(tx, conversation_id)
+        # The messages it carries count from now on, as the conversation shows them (pending
+        # until they reach the thread; see `counting`): the count before is true, recovered above.
+        await tx.send("UPDATE conversations SET updated_at = :now, message_count = message_count + :added"
+                         " WHERE id = :id", {"now": now, "added": len(input_messages or ()), "id": conversation_id})
+        owner = None
+        if after is not None:
+            # The conversation's row is locked by the update above: the run read is still the
+            # latest when this one commits (another start waits for this commit).
+            found = await tx.tuples("SELECT c.user_id, r.id, r.status FROM conversations c {latest_run}"
+                                    " WHERE c.id = :id", {"id": conversation_id})
+            if not found or not as_expected(found[0][1:], after):
+                raise LatestRunChanged(f"the latest run of {conversation_id} is {found[0][1:] if found else 'gone'},"
+                                       f" not {after}")
+            owner = (found[0][0],)
         await tx.send(
             "INSERT INTO runs (id, conversation_id, status, started_at, owner_id, input)"
             " VALUES (:id, :conversation_id, :status, :now, :owner_id, :input)",
             {"id": run_id, "conversation_id": conversation_id, "status": status, "now": now, "owner_id": owner_id,
              "input": json.dumps(input_messages, ensure_ascii=False) if input_messages else None})
-        # The messages it carries count from now on, as the conversation shows them (pending
-        # until they reach the thread; see `counting`): the count before is true, recovered above.
-        await tx.send("UPDATE conversations SET updated_at = :now, message_count = message_count + :added"
-                         " WHERE id = :id", {"now": now, "added": len(input_messages or ()), "id": conversation_id})
-        if after is not None:
-            # Read with the conversation's row locked by the update above: another start waits for
-            # this commit, so the run read here is still the one before this run when it commits.
-            before = await tx.tuples("SELECT id, status FROM runs WHERE conversation_id = :id AND id <> :run_id"
-                                     " ORDER BY {seq} DESC LIMIT 1", {"id": conversation_id, "run_id": run_id})
-            if (before[0] if before else (None, None)) != after:
-                raise LatestRunChanged(f"the latest run of {conversation_id} is {before or 'none'}, not {after}")
         if idempotency is not None:
             await tx.send("INSERT INTO idempotency_keys (key, request, conversation_id, run_id, created_at)"
                              " VALUES (:key, :request, :conversation_id, :run_id, :now)",
@@ -542,6 +546,7 @@ class Storage(RunReads):
                  "conversation_id": gate.conversation_id, "id": gate.id})
             if not decided:
                 raise SophosError(GATE_DECIDED, f"The gate {gate.id} was decided already")
+        return owner
 
     async def finish_run(self, run_id: str, status: str, message_count: int | None, error_code: str | None = None,
                          error_message: str | None = None, gate: Gate | None = None, steps: int = 0,
@@ -560,9 +565,7 @@ class Storage(RunReads):
         if self.single_owner:  # another process may fork the thread past this run: keep the text
             input_ids = None
 
-        # The conversation's row and the gate follow the run's only if its update applied: they
-        # look for the row as that update left it (its status and this `now`, to the microsecond,
-        # written by this call), so the transaction waits for no answer before its COMMIT.
+        # The rest follows only the row as the run's update left it: nothing waits before COMMIT.
         written = "SELECT {what} FROM runs WHERE id = :run_id AND status = :status AND finished_at = :now"
 
         async def finish(tx: Tx) -> Sent:
