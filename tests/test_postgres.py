@@ -202,6 +202,7 @@ def test_the_saver_lends_a_connection_whose_descriptor_is_past_1023(url):
             async with asyncio.timeout(20):
                 return await saver.aput(config, empty_checkpoint(), {"step": -1}, {})
         finally:
+            await saver.release()
             await pool.close()
 
     try:
@@ -211,6 +212,23 @@ def test_the_saver_lends_a_connection_whose_descriptor_is_past_1023(url):
             os.close(fd)
     assert query(url, "SELECT count(*) FROM checkpoints") == [(1,)]
     owner.close()
+
+
+async def test_a_saver_whose_connection_the_server_ended_goes_on_with_another_and_gives_it_back_at_the_end(open_service, url):
+    """The saver keeps one connection of its pool between calls. Once the server has ended it
+    (a restart, an administrator), the next call sees so before using it and takes another."""
+    def others() -> list[tuple]:
+        return query(url, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid != pg_backend_pid()")
+
+    async with open_service(DATABASE_URL=url) as agent:
+        conversation = (await agent.ask("hello")).data["conversation"]
+        ended = query(url, "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+                           " WHERE datname = current_database() AND pid != pg_backend_pid()")
+        assert ended and all(done for (done,) in ended)
+        assert (await agent.ask("and again", conversation)).event == "end"
+        assert [m["content"] for m in (await agent.get_conversation(conversation)).messages
+                if m["role"] == "user"] == ["hello", "and again"]
+    assert others() == []  # the kept one too: given back, and closed with the pool
 
 
 def test_two_owners_starting_a_run_on_one_conversation_at_once_start_one(url):

@@ -93,6 +93,9 @@ class Notifying:
         self.on_write: WriteObserver | None = None
         """Called with each commit, before the thread's listener (see `DurableWrite`)."""
 
+    async def release(self) -> None:
+        """Let go of what the saver holds of its connections before they are closed (PostgreSQL)."""
+
     async def _turn(self) -> None:
         """Wait for a write of the run's life under way (a cancel being recorded) before this
         one starts: a run stopped meanwhile stops here, with this write not begun."""

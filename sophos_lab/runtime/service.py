@@ -204,8 +204,7 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
                                   after=seen(latest))
 
     async def _taken(self, take: Callable[[], Awaitable[ActiveRun]]) -> ActiveRun:
-        """`take()`: a chat or resume, which read the conversation's latest run before writing
-        its own. Read and tried once more if another process's run came first (`LatestRunChanged`)."""
+        """`take()` (a chat or resume that read the latest run), once more if another came first."""
         try:
             return await take()
         except LatestRunChanged:
@@ -257,6 +256,7 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
             await self._feed.aclose()
         conn, self._saver_conn, self._graph = self._saver_conn, None, None
         if conn is not None:
+            await self._saver.release()
             await conn.close()
         await self.store.aclose()
 

@@ -21,8 +21,10 @@ What differs from SQLite, and only that, is here and in `postgres_schema` and `p
 - **One transaction per saver write: LangGraph's own pipeline.** The saver sends each write's
   statements as one pipeline with no `BEGIN`, and PostgreSQL runs the statements up to a
   pipeline's sync as one transaction: a write is all or nothing, in one round trip
-  (`tests/test_postgres.py` makes a write's last statement fail). The pool lends a connection
-  after a look at its socket, not an empty query.
+  (`tests/test_postgres.py` makes a write's last statement fail). The saver's calls, one at a
+  time (they hold the service's write lock), keep one connection of its pool between them, and
+  look at its socket, not an empty query, before each: one the server hung up on goes back to
+  the pool, which lends another (a worker's event writer takes the pool's others).
 
 The app tables' connections are kept for reuse, a few at a time, and each is looked at before
 use: one the server hung up on (a restart) is replaced, and one that cannot be made is
@@ -362,11 +364,42 @@ def _notifying_saver_class():
     from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
 
     class NotifyingPostgresSaver(Notifying, AsyncPostgresSaver):
-        """LangGraph's AsyncPostgresSaver, saved-then-told and fenced (see the module)."""
+        """LangGraph's AsyncPostgresSaver, saved-then-told and fenced (see the module), on one
+        connection of its pool at a time."""
 
         def __init__(self, conn: Any, lock: asyncio.Lock | None = None, **kwargs: Any) -> None:
             super().__init__(conn, **kwargs)
             self._notifying(lock)
+            self._kept: psycopg.AsyncConnection | None = None
+
+        @contextlib.asynccontextmanager
+        async def _cursor(self, *, pipeline: bool = False) -> AsyncIterator[Any]:
+            # LangGraph's own, on a connection kept between calls: every call holds the lock, so
+            # two are never out at once, and lending one from the pool for each of a turn's eight
+            # calls cost more than the look at its socket that keeps it (`_usable`).
+            async with self.lock:
+                conn = await self._connection()
+                if pipeline:
+                    async with conn.pipeline(), conn.cursor(binary=True, row_factory=dict_row) as cursor:
+                        yield cursor
+                else:
+                    async with conn.cursor(binary=True, row_factory=dict_row) as cursor:
+                        yield cursor
+
+        async def _connection(self) -> psycopg.AsyncConnection:
+            """The kept connection; one the server hung up on, or a call left mid-way (a cancel), goes
+            back to the pool, which closes or resets it, and another is lent (or made)."""
+            if self._kept is not None and not _usable(self._kept):
+                await self.release()
+            if self._kept is None:
+                self._kept = await self.conn.getconn()
+            return self._kept
+
+        async def release(self) -> None:
+            """Give the kept connection back to the pool (before the pool is closed)."""
+            kept, self._kept = self._kept, None
+            if kept is not None:
+                await self.conn.putconn(kept)
 
     return NotifyingPostgresSaver
 
