@@ -92,27 +92,49 @@ def _kit_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def kit_variables(settings: Settings, user: str | None = None) -> dict[str, str]:
+def kit_variables(settings: Settings, user: str | None = None) -> Mapping[str, str]:
     """The `${VAR}` values the kit supplies on top of the environment: for a user's servers
-    (`user`, an id), `MEMORY_FILE_PATH` is that user's file and `SOPHOS_LAB_USER` its id."""
+    (`user`, an id), `MEMORY_FILE_PATH` is that user's file and `SOPHOS_LAB_USER` its id. Each is
+    worked out when it is looked up: a run checks `mcp.json` every turn, naming few of them."""
     root = _kit_root()
-    # A venv of its own starts the fetch server in about 1 s instead of 4: the kit's venv
-    # makes it import jupyter's jsonschema format checkers. Without one, ours serves.
-    fetch_python = root / ".tools" / "fetch" / "bin" / "python"
-    if not fetch_python.exists():
-        fetch_python = Path(sys.executable)
-    return {
-        "MEMORY_FILE_PATH": str(settings.memory_file_path if user is None else user_memory_path(settings, user)),
-        "SOPHOS_LAB_USER": user or "",
-        "SOPHOS_LAB_PYTHON": sys.executable,
-        "SOPHOS_LAB_FETCH_PYTHON": str(fetch_python),
-        "SOPHOS_LAB_FETCH_BIN": str(fetch_python.parent),
-        "SOPHOS_LAB_ROOT": str(root),
+
+    def fetch_python() -> Path:
+        # A venv of its own starts the fetch server in about 1 s instead of 4: the kit's venv
+        # makes it import jupyter's jsonschema format checkers. Without one, ours serves.
+        own = root / ".tools" / "fetch" / "bin" / "python"
+        return own if own.exists() else Path(sys.executable)
+
+    return _Values({
+        "MEMORY_FILE_PATH": lambda: str(settings.memory_file_path if user is None else user_memory_path(settings, user)),
+        "SOPHOS_LAB_USER": lambda: user or "",
+        "SOPHOS_LAB_PYTHON": lambda: sys.executable,
+        "SOPHOS_LAB_FETCH_PYTHON": lambda: str(fetch_python()),
+        "SOPHOS_LAB_FETCH_BIN": lambda: str(fetch_python().parent),
+        "SOPHOS_LAB_ROOT": lambda: str(root),
         # The ledger server of lesson 07: its database next to the memory file, and where it
         # reports a committed payment (a lab sets it to hold the report; unset, it reports nowhere).
-        "LEDGER_PATH": os.environ.get("LEDGER_PATH") or str(settings.memory_file_path.with_name("ledger.db")),
-        "LEDGER_NOTIFY_URL": os.environ.get("LEDGER_NOTIFY_URL", ""),
-    }
+        "LEDGER_PATH": lambda: os.environ.get("LEDGER_PATH") or str(settings.memory_file_path.with_name("ledger.db")),
+        "LEDGER_NOTIFY_URL": lambda: os.environ.get("LEDGER_NOTIFY_URL", ""),
+    })
+
+
+class _Values(Mapping[str, str]):
+    """A mapping whose values are computed when looked up."""
+
+    def __init__(self, values: dict[str, Callable[[], str]]) -> None:
+        self._values = values
+
+    def __getitem__(self, key: str) -> str:
+        return self._values[key]()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 class _DuplicateKey(Exception):
