@@ -18,7 +18,8 @@ from ..events import TERMINAL_EVENTS, Event
 from ..ownership import owner_gone
 from .connector import Tx
 from .models import Gate, IdempotencyKey, Run, Seen, run_of, utc_now
-from .rules import Storage, owner_row
+from .rules import Storage
+from .stale import owner_row
 
 QUEUE_CHANNEL = "sophos_queue"
 """Notified with a run id when a run is queued: a waiting worker wakes and claims."""

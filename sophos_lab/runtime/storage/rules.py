@@ -40,6 +40,7 @@ from .models import (PAGE_SIZE, CONVERSATION_FIELDS, Conversation, ConversationP
                      LatestRunChanged, ListingPosition, Run, Seen, as_expected, conversations_of, encode_cursor,
                      run_of, title_from_message, utc_now)
 from .reads import RunReads
+from .stale import owner_row, stale_runs
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,6 @@ VALUES (:id, :host, :boot_id, :pid, :pid_started, :opened_at, {lease_until}, :mo
 ON CONFLICT (id) DO UPDATE SET lease_expires_at = excluded.lease_expires_at,
                                lease_expires_monotonic = excluded.lease_expires_monotonic"""
 
-_RUNNING = """
-SELECT r.id AS run_id, o.id, o.host, o.boot_id, o.pid, o.pid_started, {lease_left} AS lease_left,
-       o.lease_expires_monotonic, o.id IS NOT NULL AS has_owner
-FROM runs r LEFT JOIN owners o ON o.id = r.owner_id
-WHERE r.status = 'running'"""
-
 # A conversation with its latest run's outcome, and its insertion order as `position`. In the
 # listing's order, which an index on updated_at holds (ending with the position), there is no
 # sort, and a page reads only its own rows and their latest runs; `position` breaks ties of
@@ -89,27 +84,6 @@ _LISTING_ORDER = " ORDER BY c.updated_at DESC, c.{seq} DESC"
 # The whole listing: the pages' rows in their order, with Conversation's fields as the columns.
 _ALL = (f"SELECT {', '.join(CONVERSATION_FIELDS)} FROM ({_LISTING} WHERE true{{mine}}) AS listing"
         " ORDER BY updated_at DESC, position DESC")
-
-
-def owner_row(row: dict[str, Any]) -> dict | None:
-    """An owner's row as `owner_gone` reads it: its wall-clock lease read as what the
-    database's clock leaves of it (`lease_left`), so one rule holds on either backend."""
-    if not row["has_owner"]:
-        return None
-    return {**row, "lease_expires_at": time.time() + row["lease_left"]}
-
-
-async def stale_runs(tx: Tx, me: Owner, conversation_id: str | None = None, user_id: str | None = None) -> list[str]:
-    """The `running` runs whose owner is gone, as `me` sees it: of one user's conversations
-    (`user_id`), else of one conversation, else all."""
-    scope = ""
-    if user_id is not None:
-        scope = " AND r.conversation_id IN (SELECT id FROM conversations WHERE user_id = :user_id)"
-    elif conversation_id is not None:
-        scope = " AND r.conversation_id = :conversation_id"
-    rows = await tx.rows(_RUNNING + scope, {"wall_now": time.time(), "user_id": user_id,
-                                            "conversation_id": conversation_id})
-    return [row["run_id"] for row in rows if owner_gone(owner_row(row), me)]
 
 
 def _title(message: str) -> str:
