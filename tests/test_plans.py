@@ -192,7 +192,8 @@ async def test_a_refused_outcome_leaves_the_conversation_and_its_gates_as_they_w
         recorded = await storage.get_conversation("talk")
         gate = Gate(id="g1", conversation_id="talk", run_id="first", calls=[{"name": "pay"}], created_at="")
 
-        assert await storage.finish_run("first", "waiting", 7, gate=gate) is False  # recorded already
+        assert await storage.finish_run("first", "completed", 9) is False  # recorded already, the same status
+        assert await storage.finish_run("first", "waiting", 7, gate=gate) is False
         now = await storage.get_conversation("talk")
         assert (now.message_count, now.updated_at) == (recorded.message_count, recorded.updated_at) == (2, recorded.updated_at)
         assert await gates(storage) == []

@@ -137,6 +137,7 @@ def test_a_saver_whose_process_does_not_own_the_run_writes_nothing(url):
         try:
             return await saver.aput(config, checkpoint, {"step": -1}, {"messages": 1})
         finally:
+            await saver.release()
             await pool.close()
 
     with pytest.raises(psycopg.errors.RaiseException, match="SOPHOS_FENCED"):
@@ -170,6 +171,7 @@ def test_a_saver_write_whose_last_statement_fails_leaves_none_of_its_statements(
         try:
             return await saver.aput(config, checkpoint, {"step": -1}, {"messages": 1})
         finally:
+            await saver.release()
             await pool.close()
 
     with pytest.raises(psycopg.errors.RaiseException, match="refused by the test"):
@@ -229,6 +231,62 @@ async def test_a_saver_whose_connection_the_server_ended_goes_on_with_another_an
         assert [m["content"] for m in (await agent.get_conversation(conversation)).messages
                 if m["role"] == "user"] == ["hello", "and again"]
     assert others() == []  # the kept one too: given back, and closed with the pool
+
+
+async def test_a_start_while_another_process_writes_the_running_run_s_outcome_is_refused_not_deadlocked(url):
+    # Process B is recording its run's outcome: the run's row is updated, the conversation's not
+    # yet (as `finish_run` writes them). A starts a run on the conversation meanwhile, having read
+    # that run as `running`. A holds the conversation's row and must not wait on B's run while B
+    # waits for that row: A is refused at once, and B's outcome commits.
+    storage = postgres_storage(url)
+    await storage.open()
+    outcome = await psycopg.AsyncConnection.connect(url, autocommit=True)
+    try:
+        await storage.start_run("r-1", "c-1", [{"id": "m-1", "content": "hello"}], title="hello")
+        await outcome.execute("BEGIN")
+        await outcome.execute("UPDATE runs SET status = 'completed', finished_at = 'now' WHERE id = 'r-1'")
+
+        start = asyncio.ensure_future(storage.start_run("r-2", "c-1", [{"id": "m-2", "content": "again"}],
+                                                        after=("r-1", "running")))
+        while not start.done() and not query(url, "SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                                                  " AND wait_event_type = 'Lock'"):
+            await asyncio.sleep(0.01)  # until A has answered, or waits on a lock (the old deadlock's first half)
+        await outcome.execute("UPDATE conversations SET updated_at = 'now' WHERE id = 'c-1'")
+        await outcome.execute("COMMIT")
+
+        with pytest.raises(SophosError) as refused:
+            await start
+        assert refused.value.code == SESSION_IN_PROGRESS
+        assert query(url, "SELECT id, status FROM runs ORDER BY id") == [("r-1", "completed")]
+    finally:
+        await outcome.close()
+        await storage.aclose()
+
+
+async def test_a_saver_call_under_way_when_the_service_closes_ends_on_its_connection_then_gives_it_back(url):
+    # The saver keeps a connection of its pool. A read waits on the server (a lock) when the
+    # service closes: the read still ends on that connection, which goes back to the pool as it
+    # ends and is closed there, not under the read.
+    storage = postgres_storage(url)
+    await storage.open()
+    pool, saver = await postgres.open_saver(url, None)
+    blocker = await psycopg.AsyncConnection.connect(url, autocommit=True)
+    try:
+        await blocker.execute("BEGIN")
+        await blocker.execute("LOCK TABLE checkpoints IN ACCESS EXCLUSIVE MODE")
+        read = asyncio.ensure_future(saver.aget_tuple({"configurable": {"thread_id": "t-1", "checkpoint_ns": ""}}))
+        while not query(url, "SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                             " AND wait_event_type = 'Lock'"):
+            await asyncio.sleep(0.01)  # until the read waits on the lock
+        await saver.release()
+        await pool.close()
+        await blocker.execute("COMMIT")
+        assert await read is None  # no checkpoint: an answer, not a closed socket
+    finally:
+        await blocker.close()
+        await storage.aclose()
+    assert query(url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                      " AND pid != pg_backend_pid()") == [(0,)]
 
 
 def test_two_owners_starting_a_run_on_one_conversation_at_once_start_one(url):

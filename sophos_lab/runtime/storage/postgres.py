@@ -371,6 +371,7 @@ def _notifying_saver_class():
             super().__init__(conn, **kwargs)
             self._notifying(lock)
             self._kept: psycopg.AsyncConnection | None = None
+            self._in_use = self._released = False
 
         @contextlib.asynccontextmanager
         async def _cursor(self, *, pipeline: bool = False) -> AsyncIterator[Any]:
@@ -379,27 +380,39 @@ def _notifying_saver_class():
             # calls cost more than the look at its socket that keeps it (`_usable`).
             async with self.lock:
                 conn = await self._connection()
-                if pipeline:
-                    async with conn.pipeline(), conn.cursor(binary=True, row_factory=dict_row) as cursor:
-                        yield cursor
-                else:
-                    async with conn.cursor(binary=True, row_factory=dict_row) as cursor:
-                        yield cursor
+                self._in_use = True
+                try:
+                    if pipeline:
+                        async with conn.pipeline(), conn.cursor(binary=True, row_factory=dict_row) as cursor:
+                            yield cursor
+                    else:
+                        async with conn.cursor(binary=True, row_factory=dict_row) as cursor:
+                            yield cursor
+                finally:
+                    self._in_use = False
+                    if self._released:  # the service closed meanwhile: this call gives it back
+                        await self._give_back()
 
         async def _connection(self) -> psycopg.AsyncConnection:
             """The kept connection; one the server hung up on, or a call left mid-way (a cancel), goes
             back to the pool, which closes or resets it, and another is lent (or made)."""
             if self._kept is not None and not _usable(self._kept):
-                await self.release()
+                await self._give_back()
             if self._kept is None:
                 self._kept = await self.conn.getconn()
             return self._kept
 
         async def release(self) -> None:
-            """Give the kept connection back to the pool (before the pool is closed)."""
+            """Give the kept connection back to the pool before it is closed: now, or, while a call
+            is using it, as that call ends (the pool closes a connection only once it is back)."""
+            self._released = True
+            if not self._in_use:
+                await self._give_back()
+
+        async def _give_back(self) -> None:
             kept, self._kept = self._kept, None
             if kept is not None:
-                await self.conn.putconn(kept)
+                await asyncio.shield(self.conn.putconn(kept))  # a cancel must not lose it for the pool
 
     return NotifyingPostgresSaver
 

@@ -500,6 +500,10 @@ class Storage(RunReads):
             if not found or not as_expected(found[0][1:], after):
                 raise LatestRunChanged(f"the latest run of {conversation_id} is {found[0][1:] if found else 'gone'},"
                                        f" not {after}")
+            if found[0][2] in ("running", "queued"):
+                # Refused here, not by the insert: that would wait, holding this row, for a process
+                # whose outcome or relabelling of the run then waits for this row (a deadlock).
+                raise Conflict("active_run", LookupError(f"run {found[0][1]} is {found[0][2]}"))
             owner = (found[0][0],)
         await tx.send(
             "INSERT INTO runs (id, conversation_id, status, started_at, owner_id, input)"
