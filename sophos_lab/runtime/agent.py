@@ -286,6 +286,9 @@ class AttemptWatch:
     """Awaited as each attempt begins, before its work: the service's wait for a write of the
     run's life under way (a cancel being recorded), so a run stopped meanwhile stops there,
     before the step's model request or tool call."""
+    stopped: Callable[[], bool] = lambda: False
+    """Whether the run was cancelled (checked once `before_step` is through: the step raises
+    `CancelledError` then, as the cancel of its task would, before its work)."""
 
 
 ATTEMPT_WATCH: ContextVar[AttemptWatch | None] = ContextVar("sophos_attempt_watch", default=None)
@@ -359,7 +362,11 @@ async def _attempt_begins(node: str, runtime: Any) -> None:
     if watch is not None and info is not None:
         watch.attempt[node] = info.node_attempt
     if watch is not None and watch.before_step is not None:
+        # A step let through once a cancel is recorded stops before its request or call: the
+        # cancel of the run's task may reach this step's own task only after it has sent them.
         await watch.before_step()
+        if watch.stopped():
+            raise asyncio.CancelledError
 
 
 def classify_failure(error: BaseException, gave_up: StepFailure | None, settings: Settings) -> tuple[str, str]:

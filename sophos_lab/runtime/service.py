@@ -451,7 +451,7 @@ class AgentService(Reading, Carrying, Control, Pool, Lease, Housekeeping):
             step = translator.open_step(node)
             gate.offer("trace", {**step, "event": "retry", "data": notice}, None)
 
-        watch = AttemptWatch(on_retry=retrying, before_step=self._saver._turn)
+        watch = AttemptWatch(on_retry=retrying, before_step=self._saver._turn, stopped=lambda: run.cancel_requested)
         ATTEMPT_WATCH.set(watch)  # this task's context, which the graph's tasks inherit
         status, error, budget = "completed", None, None
         run.in_graph = True
