@@ -54,6 +54,7 @@ class LabKernel(_Child):
         self.kc = None
         self.output: list[str] = []
         self._stop = threading.Event()
+        self._reader: threading.Thread | None = None
         self._requests_sent = 0
 
     @property
@@ -78,7 +79,8 @@ class LabKernel(_Child):
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=timeout)
-        threading.Thread(target=self._read, args=(self.km, self.kc, self._stop), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(self.km, self.kc, self._stop), daemon=True)
+        self._reader.start()
         shutil.rmtree(self.request_dir, ignore_errors=True)  # a restarted child takes no old request
         self.execute(_SETUP.format(request_dir=str(self.request_dir)), timeout=timeout)
         return self
@@ -174,6 +176,10 @@ class LabKernel(_Child):
 
     def _tidy(self, returncode: int | None) -> None:
         self._stop.set()
+        if self._reader is not None:
+            # Out of its poll of the channels (at most 0.2 s) before they close: a zmq socket is
+            # one thread's, and closing the context under a poll could hang its termination.
+            self._reader.join(timeout=5)
         self.log.append_once({"event": EXITED, "data": {"returncode": returncode}})
         self.kc.stop_channels()
         self.km.cleanup_resources()
