@@ -233,11 +233,13 @@ async def test_a_saver_whose_connection_the_server_ended_goes_on_with_another_an
     assert others() == []  # the kept one too: given back, and closed with the pool
 
 
-async def test_a_start_while_another_process_writes_the_running_run_s_outcome_is_refused_not_deadlocked(url):
+@pytest.mark.parametrize("after", [("r-1", "running"), None], ids=["read-first", "an-approval-s"])
+async def test_a_start_while_another_process_writes_the_running_run_s_outcome_is_refused_not_deadlocked(url, after):
     # Process B is recording its run's outcome: the run's row is updated, the conversation's not
     # yet (as `finish_run` writes them). A starts a run on the conversation meanwhile, having read
-    # that run as `running`. A holds the conversation's row and must not wait on B's run while B
-    # waits for that row: A is refused at once, and B's outcome commits.
+    # that run as `running` (or, as an approval does, reading nothing first). A holds the
+    # conversation's row and must not wait on B's run while B waits for that row: A is refused
+    # at once, and B's outcome commits.
     storage = postgres_storage(url)
     await storage.open()
     outcome = await psycopg.AsyncConnection.connect(url, autocommit=True)
@@ -247,7 +249,7 @@ async def test_a_start_while_another_process_writes_the_running_run_s_outcome_is
         await outcome.execute("UPDATE runs SET status = 'completed', finished_at = 'now' WHERE id = 'r-1'")
 
         start = asyncio.ensure_future(storage.start_run("r-2", "c-1", [{"id": "m-2", "content": "again"}],
-                                                        after=("r-1", "running")))
+                                                        after=after))
         while not start.done() and not query(url, "SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
                                                   " AND wait_event_type = 'Lock'"):
             await asyncio.sleep(0.01)  # until A has answered, or waits on a lock (the old deadlock's first half)

@@ -424,15 +424,16 @@ class Storage(RunReads):
         this owner's lease, the `running` row with the messages it carries, `updated_at` and the
         message count (with those messages), the request's idempotency key, a gate's decisions.
 
-        An active run on the conversation makes the database refuse the row (a partial unique
-        index: `SESSION_IN_PROGRESS`, whichever process or host tries); one of a gone owner is
+        An active run on the conversation refuses the start (read with the conversation's row
+        locked, and a partial unique index behind it: `SESSION_IN_PROGRESS`, whichever process or
+        host tries); one of a gone owner is
         relabelled first (apart: it reads the thread), and the start tried again. With a user
         acting, the transaction first looks for the user's runs of gone owners (a crashed run
         holds no place in their limit). The lease is written unless it was a moment ago
         (`_lease_due`). A key already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`), a
         gate decided meanwhile too (`GATE_DECIDED`). With `after` (the latest run as the caller
         read it, or `SETTLED`), a start after another, or on a conversation gone, is refused with
-        `LatestRunChanged`; else it returns the owner read there, `(user id,)`. On a full disk:
+        `LatestRunChanged`. It returns the owner of an existing conversation, `(user id,)`. On a full disk:
         `STORAGE_FULL`, nothing written.
         """
         user, due, began = users.acting_user.get(), self._lease_due(), time.monotonic()
@@ -492,19 +493,19 @@ class Storage(RunReads):
         await tx.send("UPDATE conversations SET updated_at = :now, message_count = message_count + :added"
                          " WHERE id = :id", {"now": now, "added": len(input_messages or ()), "id": conversation_id})
         owner = None
-        if after is not None:
+        if title is None:
             # The conversation's row is locked by the update above: the run read is still the
             # latest when this one commits (another start waits for this commit).
             found = await tx.tuples("SELECT c.user_id, r.id, r.status FROM conversations c {latest_run}"
                                     " WHERE c.id = :id", {"id": conversation_id})
-            if not found or not as_expected(found[0][1:], after):
+            if after is not None and (not found or not as_expected(found[0][1:], after)):
                 raise LatestRunChanged(f"the latest run of {conversation_id} is {found[0][1:] if found else 'gone'},"
                                        f" not {after}")
-            if found[0][2] in ("running", "queued"):
+            if found and found[0][2] in ("running", "queued"):
                 # Refused here, not by the insert: that would wait, holding this row, for a process
                 # whose outcome or relabelling of the run then waits for this row (a deadlock).
                 raise Conflict("active_run", LookupError(f"run {found[0][1]} is {found[0][2]}"))
-            owner = (found[0][0],)
+            owner = (found[0][0],) if found else None
         await tx.send(
             "INSERT INTO runs (id, conversation_id, status, started_at, owner_id, input)"
             " VALUES (:id, :conversation_id, :status, :now, :owner_id, :input)",
