@@ -39,6 +39,29 @@ async def all_events(run) -> list:
 # --- cancel -------------------------------------------------------------------------------
 
 
+async def test_a_cancel_asked_for_between_two_steps_stops_the_next_one_before_its_call_without_an_error(lab, open_service):
+    # Asked for once the model's step is checkpointed: the tools step, next, does not fetch, and
+    # its `leave` tells of no error (a cancel is not a failure of the step).
+    before = lab.fetches("index.html")
+    async with open_service() as agent:
+        cancels = []
+
+        def observe(write) -> None:
+            if write.kind == "checkpoint" and write.step == 1:
+                cancels.append(asyncio.get_running_loop().create_task(agent.cancel(write.conversation)))
+
+        agent.on_write = observe
+        run = await agent.chat(f"Fetch {lab.page('index.html')}")
+        events = await all_events(run)
+        await cancels[0]
+
+    assert events[-1].event == "chat-error" and events[-1].data["code"] == CANCELLED
+    assert lab.fetches("index.html") == before
+    leaves = [e.data for e in events if e.event == "trace" and e.data["event"] == "leave"]
+    assert leaves[0]["node"] == "agent" and len(leaves) <= 2  # the tools step stopped as it began, or before
+    assert [leave.get("data", {}).get("error") for leave in leaves] == [None] * len(leaves), leaves
+
+
 async def test_cancel_mid_answer_stops_the_stream_records_cancelled_and_the_run_resumes(lab, open_service):
     lab.model.arm("essay")
     async with open_service() as agent:
