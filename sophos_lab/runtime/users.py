@@ -69,14 +69,12 @@ def _user(row: Any) -> User:
     return User(row["id"], row["name"], row["created_at"], row["revoked_at"])
 
 
-async def check_owner(tx: Any, conversation_id: str) -> None:
-    """Inside the transaction that starts a run on an existing conversation: `NOT_FOUND` unless
-    the acting user (if any) owns it; its row stays locked to the commit on PostgreSQL."""
+def check_owner(conversation_id: str, found: tuple | None) -> None:
+    """Inside the transaction that starts a run on an existing conversation, whose row it has
+    read (`found`: its `user_id` first; None when there is none) and holds locked to the commit:
+    `NOT_FOUND` unless the acting user (if any) owns it."""
     user = acting_user.get()
-    if user is None:
-        return
-    if await tx.row("SELECT 1 FROM conversations WHERE id = :id AND user_id = :user{for_share}",
-                    {"id": conversation_id, "user": user}) is None:
+    if user is not None and (found is None or found[0] != user):
         raise SophosError(errors.NOT_FOUND, f"Conversation Not Found: {conversation_id}")
 
 

@@ -486,8 +486,6 @@ class Storage(RunReads):
                              " VALUES (:id, :title, :now, :now, :user_id)",
                              {"id": conversation_id, "title": _title(title), "now": now,
                               "user_id": users.acting_user.get()})
-        else:
-            await users.check_owner(tx, conversation_id)
         # The messages it carries count from now on, as the conversation shows them (pending
         # until they reach the thread; see `counting`): the count before is true, recovered above.
         await tx.send("UPDATE conversations SET updated_at = :now, message_count = message_count + :added"
@@ -498,6 +496,7 @@ class Storage(RunReads):
             # latest when this one commits (another start waits for this commit).
             found = await tx.tuples("SELECT c.user_id, r.id, r.status FROM conversations c {latest_run}"
                                     " WHERE c.id = :id", {"id": conversation_id})
+            users.check_owner(conversation_id, found[0] if found else None)
             if after is not None and (not found or not as_expected(found[0][1:], after)):
                 raise LatestRunChanged(f"the latest run of {conversation_id} is {found[0][1:] if found else 'gone'},"
                                        f" not {after}")
