@@ -233,6 +233,15 @@ async def test_a_saver_whose_connection_the_server_ended_goes_on_with_another_an
     assert others() == []  # the kept one too: given back, and closed with the pool
 
 
+async def waiting_on_a_lock(url: str) -> bool:
+    """Whether a session of the database waits on a lock now (asked on a connection of its own:
+    the question's round trip lets the caller's loop run the session's task meanwhile)."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cursor = await conn.execute("SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                                    " AND wait_event_type = 'Lock'")
+        return await cursor.fetchone() is not None
+
+
 @pytest.mark.parametrize("after", [("r-1", "running"), None], ids=["read-first", "an-approval-s"])
 async def test_a_start_while_another_process_writes_the_running_run_s_outcome_is_refused_not_deadlocked(url, after):
     # Process B is recording its run's outcome: the run's row is updated, the conversation's not
@@ -250,9 +259,8 @@ async def test_a_start_while_another_process_writes_the_running_run_s_outcome_is
 
         start = asyncio.ensure_future(storage.start_run("r-2", "c-1", [{"id": "m-2", "content": "again"}],
                                                         after=after))
-        while not start.done() and not query(url, "SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
-                                                  " AND wait_event_type = 'Lock'"):
-            await asyncio.sleep(0.01)  # until A has answered, or waits on a lock (the old deadlock's first half)
+        while not start.done() and not await waiting_on_a_lock(url):
+            pass  # until A has answered, or waits on a lock (the old deadlock's first half)
         await outcome.execute("UPDATE conversations SET updated_at = 'now' WHERE id = 'c-1'")
         await outcome.execute("COMMIT")
 
@@ -277,9 +285,8 @@ async def test_a_saver_call_under_way_when_the_service_closes_ends_on_its_connec
         await blocker.execute("BEGIN")
         await blocker.execute("LOCK TABLE checkpoints IN ACCESS EXCLUSIVE MODE")
         read = asyncio.ensure_future(saver.aget_tuple({"configurable": {"thread_id": "t-1", "checkpoint_ns": ""}}))
-        while not query(url, "SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
-                             " AND wait_event_type = 'Lock'"):
-            await asyncio.sleep(0.01)  # until the read waits on the lock
+        while not await waiting_on_a_lock(url):
+            pass  # until the read waits on the lock
         await saver.release()
         await pool.close()
         await blocker.execute("COMMIT")
