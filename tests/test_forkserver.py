@@ -45,11 +45,15 @@ def start(request, tmp_path):
 
 
 def process_state(pid: int) -> str:
-    """The state letter in /proc/<pid>/stat (R, S, T, Z ...), or "gone"."""
+    """The state letter in /proc/<pid>/stat (R, S, T, Z ...), or "gone".
+
+    A process being reaped shows X (dead) for an instant before its entry goes: that is "gone" too.
+    """
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError):  # gone before or while it was read
         return "gone"
+    return "gone" if state == "X" else state
 
 
 def ask(proc, command: str) -> str:
