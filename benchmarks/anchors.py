@@ -10,6 +10,9 @@ same storage choices the kit makes:
   `SNAPSHOT_FREQUENCY` is the same 100). Each checkpoint stores only what its step added, as
   the kit's does. `DEFAULT` is LangGraph's default channel (`MessagesState`, the whole list in
   every checkpoint), kept for a second, labelled row where storage is the measure;
+- a thread named as the kit names one (`thread`): a uuid4 string, the kit's conversation id,
+  which every row of LangGraph's tables and their keys carry (a short name such as "bench"
+  would store less than any deployment with more than one thread can);
 - the same two-node graph (agent <-> tools), `ChatOllama` on the same scripted model, the same
   system prompt, durability "sync" (each step's checkpoint written before the next step runs,
   as the kit runs);
@@ -25,6 +28,7 @@ same storage choices the kit makes:
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypedDict
@@ -49,6 +53,11 @@ class DeltaState(TypedDict):
 DELTA = DeltaState
 DEFAULT = MessagesState
 """LangGraph's default messages channel (`add_messages`): the whole list in every checkpoint."""
+
+
+def thread() -> dict[str, Any]:
+    """The config of a new thread of bare LangGraph, its id a uuid4 string as the kit's."""
+    return {"configurable": {"thread_id": str(uuid.uuid4())}, "recursion_limit": 25}
 
 
 def bare_graph(url: str, checkpointer: Any, state: type = DELTA, prompt: str = PROMPT, **node_options: Any):

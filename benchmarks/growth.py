@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from anchors import DEFAULT, DELTA, PROMPT, bare_graph, sqlite_saver  # noqa: E402
+from anchors import DEFAULT, DELTA, PROMPT, bare_graph, sqlite_saver, thread  # noqa: E402
 from sophos_lab.runtime.service import AgentService  # noqa: E402
 from sophos_lab.runtime.settings import Settings  # noqa: E402
 from sophos_lab.standins._proc import stop_server  # noqa: E402
@@ -126,7 +126,7 @@ class BareThread:
         self.url = url
         self.state = state
         self.db_path = folder / f"{name}.db"
-        self.config = {"configurable": {"thread_id": "growth"}, "recursion_limit": 25}
+        self.config = thread()
         self._saver_context = sqlite_saver(str(self.db_path))
 
     async def open(self) -> None:

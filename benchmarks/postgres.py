@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from anchors import PROMPT, bare_graph, postgres_saver  # noqa: E402
+from anchors import PROMPT, bare_graph, postgres_saver, thread  # noqa: E402
 from listing import ORIGINAL_LISTING as SQLITE_ORIGINAL_LISTING  # noqa: E402
 from steps import MESSAGE, TURNS, _turns, run_kit  # noqa: E402
 
@@ -101,7 +101,7 @@ ORIGINAL_LISTING = SQLITE_ORIGINAL_LISTING.replace("rowid DESC", "ctid DESC")
 async def run_bare_postgres(url: str, database_url: str) -> float:
     """Seconds for TURNS turns of bare LangGraph on `AsyncPostgresSaver` (set up untimed)."""
     async with postgres_saver(database_url) as saver:
-        return await _turns(bare_graph(url, saver), {"configurable": {"thread_id": "bench"}, "recursion_limit": 25})
+        return await _turns(bare_graph(url, saver), thread())
 
 
 # A run record of the user's own: the least a durable run adds to bare LangGraph.
@@ -121,11 +121,12 @@ async def run_bare_with_run_records(url: str, database_url: str) -> float:
     async with postgres_saver(database_url) as saver, \
             await psycopg.AsyncConnection.connect(database_url, autocommit=True) as records:
         await records.execute(RUN_RECORDS)
-        graph, config = bare_graph(url, saver), {"configurable": {"thread_id": "bench"}, "recursion_limit": 25}
+        graph, config = bare_graph(url, saver), thread()
         start = time.perf_counter()
         for turn in range(TURNS):
             run_id = str(uuid.uuid4())
-            await records.execute("INSERT INTO runs VALUES (%s, 'bench', 'running', now(), NULL)", (run_id,))
+            await records.execute("INSERT INTO runs VALUES (%s, %s, 'running', now(), NULL)",
+                                  (run_id, config["configurable"]["thread_id"]))
             async for _ in graph.astream({"messages": [HumanMessage(MESSAGE.format(turn))]}, config,
                                          stream_mode="messages", durability="sync"):
                 pass
@@ -196,7 +197,7 @@ async def bare_thread(url: str, database_url: str, turns: int) -> None:
 
     async with postgres_saver(database_url) as saver:
         graph = bare_graph(url, saver)
-        config = {"configurable": {"thread_id": "bench"}, "recursion_limit": 25}
+        config = thread()
         for turn in range(turns):
             await graph.ainvoke({"messages": [HumanMessage(user_message(turn))]}, config, durability="sync")
 

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from anchors import PROMPT, bare_graph, sqlite_saver  # noqa: E402
+from anchors import PROMPT, bare_graph, sqlite_saver, thread  # noqa: E402
 
 from sophos_lab.runtime.service import AgentService  # noqa: E402
 from sophos_lab.runtime.settings import Settings  # noqa: E402
@@ -120,7 +120,7 @@ async def bare_run(url: str, model: ScriptedModelControl, attempts: int, base: f
             graph = bare_graph(url, saver, retry_policy=policy,
                                **({"timeout": TimeoutPolicy(run_timeout=limit)} if limit else {}))
             since = len(model.chat_requests())
-            config = {"configurable": {"thread_id": "retries"}, "recursion_limit": 25}
+            config = thread()
             async for _ in graph.astream({"messages": [HumanMessage(MESSAGE)]}, config, stream_mode="messages",
                                          durability="sync"):
                 pass

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from anchors import PROMPT, bare_graph, sqlite_saver  # noqa: E402
+from anchors import PROMPT, bare_graph, sqlite_saver, thread  # noqa: E402
 
 from sophos_lab.standins._proc import stop_server  # noqa: E402
 from sophos_lab.standins.scripted_model import start_scripted_model  # noqa: E402
@@ -52,7 +52,7 @@ BARE = ("the same graph with LangGraph alone: DeltaChannel with LangGraph's batc
 
 async def run_bare(url: str, folder: Path) -> float:
     """Seconds for TURNS turns of bare LangGraph (the saver opened and set up untimed)."""
-    config = {"configurable": {"thread_id": "bench"}, "recursion_limit": 25}
+    config = thread()
     async with sqlite_saver(str(folder / "bare.db")) as saver:
         return await _turns(bare_graph(url, saver), config)
 
@@ -65,7 +65,7 @@ async def run_bare_with_run_records(url: str, folder: Path) -> float:
 
     import aiosqlite
 
-    config = {"configurable": {"thread_id": "bench"}, "recursion_limit": 25}
+    config = thread()
     async with sqlite_saver(str(folder / "bare.db")) as saver, aiosqlite.connect(folder / "bare.db") as records:
         await records.execute("PRAGMA synchronous = NORMAL")
         await records.execute("CREATE TABLE runs (id TEXT PRIMARY KEY, thread_id TEXT NOT NULL,"
@@ -74,7 +74,8 @@ async def run_bare_with_run_records(url: str, folder: Path) -> float:
         start = time.perf_counter()
         for turn in range(TURNS):
             run_id = str(uuid.uuid4())
-            await records.execute("INSERT INTO runs VALUES (?, 'bench', 'running', datetime('now'), NULL)", (run_id,))
+            await records.execute("INSERT INTO runs VALUES (?, ?, 'running', datetime('now'), NULL)",
+                                  (run_id, config["configurable"]["thread_id"]))
             await records.commit()
             async for _ in graph.astream({"messages": [HumanMessage(MESSAGE.format(turn))]}, config,
                                          stream_mode="messages", durability="sync"):
