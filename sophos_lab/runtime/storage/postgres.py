@@ -22,10 +22,9 @@ What differs from SQLite, and only that, is here and in `postgres_schema` and `p
   statements as one pipeline with no `BEGIN`, and PostgreSQL runs the statements up to a
   pipeline's sync as one transaction: a write is all or nothing, in one round trip
   (`tests/test_postgres.py` makes a write's last statement fail). The saver's calls, one at a
-  time (they hold the service's write lock), keep one connection of its pool between them, in
-  pipeline mode as LangGraph's `from_conn_string(pipeline=True)` keeps its own, and look at its
-  socket, not an empty query, before each: one the server hung up on goes back to the pool,
-  which lends another (a worker's event writer takes the pool's others).
+  time (they hold the service's write lock), keep one connection of its pool between them, and
+  look at its socket, not an empty query, before each: one the server hung up on goes back to
+  the pool, which lends another (a worker's event writer takes the pool's others).
 
 The app tables' connections are kept for reuse, a few at a time, and each is looked at before
 use: one the server hung up on (a restart) is replaced, and one that cannot be made is
@@ -372,48 +371,36 @@ def _notifying_saver_class():
             super().__init__(conn, **kwargs)
             self._notifying(lock)
             self._kept: psycopg.AsyncConnection | None = None
-            self._kept_pipeline: contextlib.AbstractAsyncContextManager | None = None
-            self._pipe: psycopg.AsyncPipeline | None = None
             self._in_use = self._released = False
 
         @contextlib.asynccontextmanager
         async def _cursor(self, *, pipeline: bool = False) -> AsyncIterator[Any]:
-            # LangGraph's own with a connection in pipeline mode (its `pipe`, as
-            # `from_conn_string(pipeline=True)` makes it), on a connection kept between calls:
-            # every call holds the lock, so two are never out at once. Lending one from the pool
-            # for each of a turn's eight calls cost more than the look at its socket that keeps
-            # it (`_usable`), and entering pipeline mode for each call more than staying in it.
+            # LangGraph's own, on a connection kept between calls: every call holds the lock, so
+            # two are never out at once, and lending one from the pool for each of a turn's eight
+            # calls cost more than the look at its socket that keeps it (`_usable`).
             async with self.lock:
-                conn, pipe = await self._connection()
+                conn = await self._connection()
                 self._in_use = True
                 try:
-                    try:
+                    if pipeline:
+                        async with conn.pipeline(), conn.cursor(binary=True, row_factory=dict_row) as cursor:
+                            yield cursor
+                    else:
                         async with conn.cursor(binary=True, row_factory=dict_row) as cursor:
                             yield cursor
-                    finally:
-                        if pipeline:  # the write's statements, sent so far, as one transaction
-                            await pipe.sync()
                 finally:
                     self._in_use = False
                     if self._released:  # the service closed meanwhile: this call gives it back
                         await self._give_back()
 
-        async def _connection(self) -> tuple[psycopg.AsyncConnection, psycopg.AsyncPipeline]:
-            """The kept connection, in pipeline mode; one the server hung up on, or a call left
-            mid-way (a cancel), goes back to the pool, which closes or resets it, and another is
-            lent (or made)."""
+        async def _connection(self) -> psycopg.AsyncConnection:
+            """The kept connection; one the server hung up on, or a call left mid-way (a cancel), goes
+            back to the pool, which closes or resets it, and another is lent (or made)."""
             if self._kept is not None and not _usable(self._kept):
                 await self._give_back()
             if self._kept is None:
-                conn = await self.conn.getconn()
-                pipeline = conn.pipeline()
-                try:
-                    self._pipe = await pipeline.__aenter__()
-                except BaseException:
-                    await asyncio.shield(self.conn.putconn(conn))
-                    raise
-                self._kept, self._kept_pipeline = conn, pipeline
-            return self._kept, self._pipe
+                self._kept = await self.conn.getconn()
+            return self._kept
 
         async def release(self) -> None:
             """Give the kept connection back to the pool before it is closed: now, or, while a call
@@ -423,16 +410,9 @@ def _notifying_saver_class():
                 await self._give_back()
 
         async def _give_back(self) -> None:
-            kept, pipeline = self._kept, self._kept_pipeline
-            self._kept = self._kept_pipeline = self._pipe = None
-            if kept is not None:  # a cancel must not lose it for the pool
-                await asyncio.shield(self._out_of_pipeline_mode(kept, pipeline))
-
-        async def _out_of_pipeline_mode(self, conn: psycopg.AsyncConnection,
-                                        pipeline: contextlib.AbstractAsyncContextManager) -> None:
-            with contextlib.suppress(psycopg.Error):  # on a connection the server ended, the pool closes it
-                await pipeline.__aexit__(None, None, None)
-            await self.conn.putconn(conn)
+            kept, self._kept = self._kept, None
+            if kept is not None:
+                await asyncio.shield(self.conn.putconn(kept))  # a cancel must not lose it for the pool
 
     return NotifyingPostgresSaver
 
