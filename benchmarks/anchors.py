@@ -12,7 +12,7 @@ same storage choices the kit makes:
   every checkpoint), kept for a second, labelled row where storage is the measure;
 - a thread named as the kit names one (`thread`): a uuid4 string, the kit's conversation id,
   which every row of LangGraph's tables and their keys carry (a short name such as "bench"
-  would store less than any deployment with more than one thread can);
+  stores less than the same thread under the kit's id);
 - the same two-node graph (agent <-> tools), `ChatOllama` on the same scripted model, the same
   system prompt, durability "sync" (each step's checkpoint written before the next step runs,
   as the kit runs);
