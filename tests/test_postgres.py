@@ -216,12 +216,14 @@ def test_the_saver_lends_a_connection_whose_descriptor_is_past_1023(url):
     owner.close()
 
 
+def other_sessions(url: str) -> list[tuple]:
+    """The pids of the database's sessions other than the one asking."""
+    return query(url, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid != pg_backend_pid()")
+
+
 async def test_a_saver_whose_connection_the_server_ended_goes_on_with_another_and_gives_it_back_at_the_end(open_service, url):
     """The saver keeps one connection of its pool between calls. Once the server has ended it
     (a restart, an administrator), the next call sees so before using it and takes another."""
-    def others() -> list[tuple]:
-        return query(url, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid != pg_backend_pid()")
-
     async with open_service(DATABASE_URL=url) as agent:
         conversation = (await agent.ask("hello")).data["conversation"]
         ended = query(url, "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
@@ -230,7 +232,7 @@ async def test_a_saver_whose_connection_the_server_ended_goes_on_with_another_an
         assert (await agent.ask("and again", conversation)).event == "end"
         assert [m["content"] for m in (await agent.get_conversation(conversation)).messages
                 if m["role"] == "user"] == ["hello", "and again"]
-    assert others() == []  # the kept one too: given back, and closed with the pool
+    assert other_sessions(url) == []  # the kept one too: given back, and closed with the pool
 
 
 async def waiting_on_a_lock(url: str) -> bool:
@@ -294,8 +296,7 @@ async def test_a_saver_call_under_way_when_the_service_closes_ends_on_its_connec
     finally:
         await blocker.close()
         await storage.aclose()
-    assert query(url, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                      " AND pid != pg_backend_pid()") == [(0,)]
+    assert other_sessions(url) == []
 
 
 def test_two_owners_starting_a_run_on_one_conversation_at_once_start_one(url):

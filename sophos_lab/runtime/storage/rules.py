@@ -426,15 +426,14 @@ class Storage(RunReads):
 
         An active run on the conversation refuses the start (read with the conversation's row
         locked, and a partial unique index behind it: `SESSION_IN_PROGRESS`, whichever process or
-        host tries); one of a gone owner is
-        relabelled first (apart: it reads the thread), and the start tried again. With a user
-        acting, the transaction first looks for the user's runs of gone owners (a crashed run
-        holds no place in their limit). The lease is written unless it was a moment ago
-        (`_lease_due`). A key already taken refuses the whole start (`IDEMPOTENCY_KEY_REUSED`), a
-        gate decided meanwhile too (`GATE_DECIDED`). With `after` (the latest run as the caller
-        read it, or `SETTLED`), a start after another, or on a conversation gone, is refused with
-        `LatestRunChanged`. It returns the owner of an existing conversation, `(user id,)`. On a full disk:
-        `STORAGE_FULL`, nothing written.
+        host tries); one of a gone owner is relabelled first (apart: it reads the thread), and the
+        start tried again. With a user acting, the transaction first looks for the user's runs of
+        gone owners (a crashed run holds no place in their limit). The lease is written unless it
+        was a moment ago (`_lease_due`). A key already taken refuses the whole start
+        (`IDEMPOTENCY_KEY_REUSED`), a gate decided meanwhile too (`GATE_DECIDED`). With `after`
+        (the latest run as the caller read it, or `SETTLED`), a start after another, or on a
+        conversation gone, is refused with `LatestRunChanged`. It returns the owner of an existing
+        conversation, `(user id,)`. On a full disk: `STORAGE_FULL`, nothing written.
         """
         user, due, began = users.acting_user.get(), self._lease_due(), time.monotonic()
         owner: list[tuple[str | None] | None] = [None]
