@@ -11,7 +11,10 @@ and the kit are all that is measured), run side by side:
 Both sides store every step before the next one runs, so what (a) costs over (b) is the kit's
 own work, not durability. A third side, (c), is (b) with a run record of its own, as a user
 would add one: a `running` row committed before each turn and its outcome after (the least the
-contract's "on disk before anyone is told" adds, whoever writes it). Each variant runs the
+contract's "on disk before anyone is told" adds, whoever writes it). A fourth, (d), is (b) on the
+kit's own SQLite saver (`OneTripSqliteSaver`: LangGraph's saver, each call in one trip to its
+connection's thread) without the kit around it: not an anchor a user would pick, but the figure
+that shows what the kit's run costs beyond its faster saver. Each variant runs the
 conversation ROUNDS times on a fresh database,
 interleaved; the median time per graph step is printed, with the ratio (a)/(b). Target: <= 1.10.
 
@@ -54,6 +57,19 @@ async def run_bare(url: str, folder: Path) -> float:
     """Seconds for TURNS turns of bare LangGraph (the saver opened and set up untimed)."""
     config = thread()
     async with sqlite_saver(str(folder / "bare.db")) as saver:
+        return await _turns(bare_graph(url, saver), config)
+
+
+async def run_bare_one_trip(url: str, folder: Path) -> float:
+    """As `run_bare`, on the kit's saver class (`OneTripSqliteSaver`), set up untimed."""
+    import aiosqlite
+
+    from sophos_lab.runtime.checkpointer import OneTripSqliteSaver
+
+    config = thread()
+    async with aiosqlite.connect(folder / "bare.db") as conn:
+        saver = OneTripSqliteSaver(conn)
+        await saver.setup()
         return await _turns(bare_graph(url, saver), config)
 
 
@@ -127,7 +143,7 @@ async def measure(rounds: int = ROUNDS, trace_memory: bool = True) -> tuple[dict
     """Seconds per step of each variant, one figure per round; and each one's peak traced memory
     (tracing slows every variant down, so `rows` measures time without it)."""
     server, url = start_scripted_model(ROOT / "data" / "scripts")
-    results: dict[str, list[float]] = {"kit": [], "bare": [], "bare_with_run_records": []}
+    results: dict[str, list[float]] = {"kit": [], "bare": [], "bare_with_run_records": [], "bare_one_trip": []}
     peaks: dict[str, int] = {}
     try:
         for _ in range(rounds):
@@ -139,6 +155,8 @@ async def measure(rounds: int = ROUNDS, trace_memory: bool = True) -> tuple[dict
                         seconds = await run_kit(url, Path(tmp))
                     elif name == "bare":
                         seconds = await run_bare(url, Path(tmp))
+                    elif name == "bare_one_trip":
+                        seconds = await run_bare_one_trip(url, Path(tmp))
                     else:
                         seconds = await run_bare_with_run_records(url, Path(tmp))
                     if trace_memory:
@@ -161,6 +179,9 @@ def rows(quick: bool = False) -> list[dict]:
         {"benchmark": "steps", "measure": "time per step on SQLite, bare with a run record of its own: a `running` "
          f"row committed before each turn, its outcome after ({scale})",
          "kit_runs": ms["kit"], "bare_runs": ms["bare_with_run_records"], "unit": "ms"},
+        {"benchmark": "steps", "measure": "time per step on SQLite, bare on the kit's own saver class "
+         f"(OneTripSqliteSaver, not an anchor: what the kit costs beyond its saver) ({scale})",
+         "kit_runs": ms["kit"], "bare_runs": ms["bare_one_trip"], "unit": "ms"},
     ]
 
 
@@ -172,7 +193,8 @@ async def main() -> None:
     print(f"Machine: {machine()}")
     print(f"{TURNS}-turn conversation, {ROUNDS} rounds, scripted model with zero token delay")
     for label, name in (("(a) kit service", "kit"), ("(b) LangGraph, DeltaChannel, AsyncSqliteSaver", "bare"),
-                        ("(c) (b) with a run record before and after", "bare_with_run_records")):
+                        ("(c) (b) with a run record before and after", "bare_with_run_records"),
+                        ("(d) (b) on the kit's OneTripSqliteSaver", "bare_one_trip")):
         spread = f"{min(results[name]) * 1000:.1f}-{max(results[name]) * 1000:.1f}"
         print(f"{label:<46} {median[name] * 1000:7.1f} ms/step  (min-max {spread} ms, peak traced {peaks[name] / 1e6:.1f} MB)")
     print(f"ratio (a)/(b) = {median['kit'] / median['bare']:.2f}   (target <= 1.10)")
