@@ -308,10 +308,11 @@ class SqliteConnector:
 
     @contextlib.asynccontextmanager
     async def thread_reader(self) -> AsyncIterator[Any]:
-        """LangGraph's own async saver, reading through the read connection (never writing)."""
-        from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+        """LangGraph's own async saver, reading through the read connection (never writing), each
+        read in one trip to the connection's thread (`checkpointer.OneTripSqliteSaver`)."""
+        from ..checkpointer import OneTripSqliteSaver
 
-        saver = AsyncSqliteSaver(self._reader)
+        saver = OneTripSqliteSaver(self._reader)
         saver.is_setup = True  # the tables exist (or nothing reads them); setup() would write
         with full_disk_refused(self.path):
             yield saver
