@@ -105,3 +105,35 @@ async def test_a_write_refused_part_way_leaves_no_half_of_it_for_the_next_commit
         with sqlite3.connect(tmp_path / "thread.db") as conn:
             kept = conn.execute("SELECT count(*) FROM writes WHERE task_id = 'task-1'").fetchone()[0]
         assert kept == 0, "the first of the refused task's writes was committed by a later write"
+
+
+async def test_a_read_that_fails_leaves_the_connection_s_open_transaction_alone(tmp_path):
+    async with both(tmp_path / "thread.db") as (ours, _):
+        await turns(ours, ["one"])
+        await ours.conn.execute("CREATE TABLE notes (text TEXT)")
+        await ours.conn.commit()
+        await ours.conn.execute("INSERT INTO notes VALUES ('not committed yet')")
+        unreadable = {"configurable": {"thread_id": "t-2", "checkpoint_ns": ""}}
+        await ours.conn.execute("INSERT INTO checkpoints (thread_id, checkpoint_ns, checkpoint_id, type, checkpoint)"
+                                " VALUES ('t-2', '', 'c-1', 'msgpack', x'c1')")  # 0xc1: never valid msgpack
+
+        with pytest.raises(Exception):
+            await ours.aget_tuple(unreadable)
+        await ours.conn.commit()
+
+        async with ours.conn.execute("SELECT text FROM notes") as rows:
+            assert [row[0] for row in await rows.fetchall()] == ["not committed yet"]
+
+
+async def test_a_call_on_a_closed_connection_fails_as_on_langgraphs_saver(tmp_path):
+    """A process that closes its saver mid-run (lesson 06e's naive shutdown) sees LangGraph's error."""
+    async with both(tmp_path / "thread.db") as (ours, theirs):
+        await turns(ours, ["one"])
+        for saver in (ours, theirs):
+            await saver.conn.close()
+        errors = []
+        for saver in (ours, theirs):
+            with pytest.raises(ValueError) as raised:
+                await saver.aget_tuple(CONFIG)
+            errors.append(str(raised.value))
+        assert errors == ["no active connection", "no active connection"]

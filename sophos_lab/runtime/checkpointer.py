@@ -3,9 +3,11 @@ AsyncPostgresSaver, `storage.postgres`), faster on SQLite, with the runtime's gu
 
 - **One trip a call.** aiosqlite runs a connection's statements in a thread of its own, and
   LangGraph's async saver goes there three to six times a call (the cursor, each statement and
-  fetch, the commit, the close), about 0.05 ms a trip on two cores: ten to twenty trips a turn.
-  `OneTripSqliteSaver` sends each read and write there once, as LangGraph's own synchronous
-  `SqliteSaver` on that connection: the same statements, rows and transactions.
+  fetch, the commit, the close; a delta history read one more for each batch of its rows), about
+  0.1 ms a trip on two cores: twenty and more a turn. `OneTripSqliteSaver` sends each read and
+  write there once, as LangGraph's own synchronous `SqliteSaver` on that connection: the same
+  statements, rows and transactions (a checkpoint is serialised in that thread too, under the
+  same lock). A write that fails part-way is rolled back.
 
 - **Saved, then told.** After a checkpoint is committed, the saver calls the listener of its
   thread with the checkpoint's metadata, so a run publishes "step N finished" only once step
@@ -17,10 +19,12 @@ AsyncPostgresSaver, `storage.postgres`), faster on SQLite, with the runtime's gu
 - **Every commit observable.** `on_write`, when set, is called right after each commit of a
   checkpoint or a task's pending writes, before anything is told: crash tests stop the process
   exactly there (see `DurableWrite`), where no event marks the moment.
-- **A write is never cut in half.** A run stopped by cancelling its task (`cancel()`, or a
-  shutdown whose drain timed out) may be inside a write, between its INSERT and its commit: the
-  write goes on to its commit (the listener is told), then the cancel goes on. Cut there, the
-  connection would be left inside a write transaction that holds the file's write lock.
+- **A write is never cut in half, nor left untold.** A run stopped by cancelling its task
+  (`cancel()`, or a shutdown whose drain timed out) may be inside a write: the write goes on to
+  its commit (observed and told), then the cancel goes on. On SQLite the write is one function
+  in the connection's thread, which a cancel cannot stop part-way; on PostgreSQL it is one
+  pipeline. Cut between its INSERT and its commit, a connection would be left inside a write
+  transaction that holds the file's write lock.
 """
 
 from __future__ import annotations
@@ -163,7 +167,7 @@ class _InItsThread(SqliteSaver):
             if transaction:
                 self.conn.commit()
         except BaseException:
-            if self.conn.in_transaction:
+            if transaction and self.conn.in_transaction:  # a read leaves what it did not begin
                 self.conn.rollback()
             raise
         finally:
@@ -177,10 +181,12 @@ class OneTripSqliteSaver(AsyncSqliteSaver):
     _in_thread: _InItsThread | None = None
 
     async def _one_trip(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        await self.setup()
-        if self._in_thread is None:
-            self._in_thread = _InItsThread(self.conn._conn, serde=self.serde)
-            self._in_thread.is_setup, self._in_thread._has_task_path = True, self._has_task_path
+        """`SqliteSaver.<method>(*args, **kwargs)` in the connection's thread, in one trip."""
+        await self.setup()  # the tables, made by LangGraph's async code (the cursor above never sets up)
+        conn = self.conn._conn  # a closed connection raises here, as LangGraph's async saver's first call does
+        if self._in_thread is None or self._in_thread.conn is not conn:
+            self._in_thread = _InItsThread(conn, serde=self.serde)
+            self._in_thread._has_task_path = self._has_task_path
         async with self.lock:  # as LangGraph's: one call at a time on the connection
             return await self.conn._execute(getattr(self._in_thread, method), *args, **kwargs)
 

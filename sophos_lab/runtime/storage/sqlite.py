@@ -308,8 +308,8 @@ class SqliteConnector:
 
     @contextlib.asynccontextmanager
     async def thread_reader(self) -> AsyncIterator[Any]:
-        """LangGraph's own async saver, reading through the read connection (never writing), each
-        read in one trip to the connection's thread (`checkpointer.OneTripSqliteSaver`)."""
+        """The kit's SQLite saver (`checkpointer.OneTripSqliteSaver`: LangGraph's, one trip to the
+        connection's thread a read), reading through the read connection (never writing)."""
         from ..checkpointer import OneTripSqliteSaver
 
         saver = OneTripSqliteSaver(self._reader)
