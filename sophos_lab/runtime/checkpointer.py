@@ -175,8 +175,9 @@ class _InItsThread(SqliteSaver):
 
 
 class OneTripSqliteSaver(AsyncSqliteSaver):
-    """LangGraph's AsyncSqliteSaver, each checkpoint, write and read in one trip to the
-    connection's thread (see the module); the rest of it as it is."""
+    """LangGraph's AsyncSqliteSaver with the calls a run makes, each checkpoint and task's writes
+    and each read of a checkpoint or a channel's history, in one trip to the connection's thread
+    (see the module); the rest (a history listed, a thread deleted) as LangGraph has it."""
 
     _in_thread: _InItsThread | None = None
 
