@@ -80,9 +80,9 @@ def bare_graph(url: str, checkpointer: Any, state: type = DELTA, prompt: str = P
 
 
 @asynccontextmanager
-async def sqlite_saver(path: str) -> AsyncIterator[AsyncSqliteSaver]:
-    """`AsyncSqliteSaver` on the file at `path`, its tables made."""
-    async with AsyncSqliteSaver.from_conn_string(path) as saver:
+async def sqlite_saver(path: str, saver_class: type = AsyncSqliteSaver) -> AsyncIterator[AsyncSqliteSaver]:
+    """`AsyncSqliteSaver` (or a subclass, `saver_class`) on the file at `path`, its tables made."""
+    async with saver_class.from_conn_string(path) as saver:
         await saver.setup()
         yield saver
 

@@ -62,14 +62,10 @@ async def run_bare(url: str, folder: Path) -> float:
 
 async def run_bare_one_trip(url: str, folder: Path) -> float:
     """As `run_bare`, on the kit's saver class (`OneTripSqliteSaver`), set up untimed."""
-    import aiosqlite
-
     from sophos_lab.runtime.checkpointer import OneTripSqliteSaver
 
     config = thread()
-    async with aiosqlite.connect(folder / "bare.db") as conn:
-        saver = OneTripSqliteSaver(conn)
-        await saver.setup()
+    async with sqlite_saver(str(folder / "bare.db"), OneTripSqliteSaver) as saver:
         return await _turns(bare_graph(url, saver), config)
 
 
