@@ -8,14 +8,15 @@ one async connection in pipeline mode, autocommit, dict rows), doing the same wo
   delay, no MCP servers), the kit's `AgentService` with `DATABASE_URL` against bare LangGraph
   (`anchors.bare_graph`: the same graph, `DeltaChannel` with LangGraph's batch reducer,
   durability "sync"), each on a fresh database, interleaved; and against the same bare LangGraph
-  with a run record of its own (`run_bare_with_run_records`: a `running` row committed before
-  each turn and its outcome after, the least that the contract's "the run is on disk before
-  anyone is told" adds, whoever writes it);
+  with a run record of its own (`RunRecords`: a `running` row committed before each turn and
+  its outcome after, the least that the contract's "the run is on disk before anyone is told"
+  adds, whoever writes it);
 - storage: one thread of 200 turns of 4 KB (`growth.py`'s turns) on each side, fresh databases,
   then every table of the database (`pg_total_relation_size`: rows, TOAST and indexes; the kit's
   app tables included) after a plain VACUUM on both; the same less what those tables hold freshly
   migrated (the thread's own rows, without the schema's fixed cost: each empty table and index
-  takes a page or two); and LangGraph's three tables alone;
+  takes a page or two), also against bare with a run record of its own (`RunRecords`, whose
+  200 rows are the least the contract keeps); and LangGraph's three tables alone;
 - the listing of 10,000 conversations of 3 runs each (`listing.py`'s rows): the kit's
   `list_conversations()` and `conversation_page` on PostgreSQL against the original's own
   summary query on the same server (the original's columns and its one index,
@@ -35,12 +36,15 @@ one async connection in pipeline mode, autocommit, dict rows), doing the same wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import shutil
 import sqlite3
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,32 +109,49 @@ async def run_bare_postgres(url: str, database_url: str) -> float:
 
 
 # A run record of the user's own: the least a durable run adds to bare LangGraph.
-RUN_RECORDS = """CREATE TABLE runs (id TEXT PRIMARY KEY, thread_id TEXT NOT NULL, status TEXT NOT NULL,
+RUN_RECORDS = """CREATE TABLE IF NOT EXISTS runs (id TEXT PRIMARY KEY, thread_id TEXT NOT NULL, status TEXT NOT NULL,
     started_at TIMESTAMPTZ NOT NULL, finished_at TIMESTAMPTZ)"""
 
 
-async def run_bare_with_run_records(url: str, database_url: str) -> float:
-    """As `run_bare_postgres`, each turn's run recorded as the kit's contract asks: a `running`
-    row committed before the graph starts, its outcome committed after it ends (one autocommit
-    statement each, on a connection of their own, as a user would add them)."""
-    import uuid
+class RunRecords:
+    """Each turn's run recorded as the kit's contract asks, the least a user would add: a
+    `running` row committed before the graph starts, its outcome committed after it ends (one
+    autocommit statement each, on a connection of their own, in the table `RUN_RECORDS`)."""
 
-    import psycopg
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, database_url: str) -> AsyncIterator["RunRecords"]:
+        import psycopg
+
+        async with await psycopg.AsyncConnection.connect(database_url, autocommit=True) as conn:
+            await conn.execute(RUN_RECORDS)
+            yield cls(conn)
+
+    @asynccontextmanager
+    async def turn(self, thread_id: str) -> AsyncIterator[None]:
+        import uuid
+
+        run_id = str(uuid.uuid4())
+        await self.conn.execute("INSERT INTO runs VALUES (%s, %s, 'running', now(), NULL)", (run_id, thread_id))
+        yield
+        await self.conn.execute("UPDATE runs SET status = 'completed', finished_at = now() WHERE id = %s", (run_id,))
+
+
+async def run_bare_with_run_records(url: str, database_url: str) -> float:
+    """As `run_bare_postgres`, each turn's run recorded (`RunRecords`)."""
     from langchain_core.messages import HumanMessage
 
-    async with postgres_saver(database_url) as saver, \
-            await psycopg.AsyncConnection.connect(database_url, autocommit=True) as records:
-        await records.execute(RUN_RECORDS)
+    async with postgres_saver(database_url) as saver, RunRecords.open(database_url) as records:
         graph, config = bare_graph(url, saver), thread()
         start = time.perf_counter()
         for turn in range(TURNS):
-            run_id = str(uuid.uuid4())
-            await records.execute("INSERT INTO runs VALUES (%s, %s, 'running', now(), NULL)",
-                                  (run_id, config["configurable"]["thread_id"]))
-            async for _ in graph.astream({"messages": [HumanMessage(MESSAGE.format(turn))]}, config,
-                                         stream_mode="messages", durability="sync"):
-                pass
-            await records.execute("UPDATE runs SET status = 'completed', finished_at = now() WHERE id = %s", (run_id,))
+            async with records.turn(config["configurable"]["thread_id"]):
+                async for _ in graph.astream({"messages": [HumanMessage(MESSAGE.format(turn))]}, config,
+                                             stream_mode="messages", durability="sync"):
+                    pass
         return time.perf_counter() - start
 
 
@@ -191,36 +212,42 @@ async def kit_thread(url: str, folder: Path, database_url: str, turns: int) -> N
         await service.aclose()
 
 
-async def bare_thread(url: str, database_url: str, turns: int) -> None:
+async def bare_thread(url: str, database_url: str, turns: int, records: bool = False) -> None:
+    """`turns` turns of bare LangGraph on one thread; with `records`, each turn's run recorded
+    (`RunRecords`, its table made first, so that `turns=0` leaves the tables empty)."""
     from growth import user_message
     from langchain_core.messages import HumanMessage
 
-    async with postgres_saver(database_url) as saver:
+    async with contextlib.AsyncExitStack() as stack:
+        saver = await stack.enter_async_context(postgres_saver(database_url))
+        recorded = await stack.enter_async_context(RunRecords.open(database_url)) if records else None
         graph = bare_graph(url, saver)
         config = thread()
         for turn in range(turns):
-            await graph.ainvoke({"messages": [HumanMessage(user_message(turn))]}, config, durability="sync")
+            async with recorded.turn(config["configurable"]["thread_id"]) if recorded else contextlib.nullcontext():
+                await graph.ainvoke({"messages": [HumanMessage(user_message(turn))]}, config, durability="sync")
 
 
 async def storage(server_url: str, model_url: str, turns: int, rounds: int) -> dict[str, list[float]]:
     """MB of every table, of the thread's own rows (every table less the same tables freshly
     migrated: the schema's fixed cost left out) and of LangGraph's tables, each side, one
-    figure per round."""
-    found: dict[str, list[float]] = {"kit": [], "bare": [], "kit_langgraph": [], "bare_langgraph": [],
-                                     "kit_thread": [], "bare_thread": []}
+    figure per round; bare also with a run record of its own (`bare_records`)."""
+    sides = ("kit", "bare", "bare_records")
+    found: dict[str, list[float]] = {f"{side}{part}": [] for side in sides for part in ("", "_thread", "_langgraph")}
     for _ in range(rounds):
         with tempfile.TemporaryDirectory() as tmp:
-            kit_db, bare_db = (postgres_server.new_database(server_url, name) for name in ("kit", "bare"))
-            await kit_thread(model_url, Path(tmp), kit_db, 0)
-            async with postgres_saver(bare_db):
-                pass
-            empty = {"kit": table_bytes(kit_db), "bare": table_bytes(bare_db)}
-            await kit_thread(model_url, Path(tmp), kit_db, turns)
-            await bare_thread(model_url, bare_db, turns)
-            for name, database in (("kit", kit_db), ("bare", bare_db)):
-                found[name].append(table_bytes(database) / 1e6)
-                found[f"{name}_thread"].append((table_bytes(database) - empty[name]) / 1e6)
-                found[f"{name}_langgraph"].append(table_bytes(database, LANGGRAPH_TABLES) / 1e6)
+            databases = {side: postgres_server.new_database(server_url, side) for side in sides}
+            await kit_thread(model_url, Path(tmp), databases["kit"], 0)
+            await bare_thread(model_url, databases["bare"], 0)
+            await bare_thread(model_url, databases["bare_records"], 0, records=True)
+            empty = {side: table_bytes(database) for side, database in databases.items()}
+            await kit_thread(model_url, Path(tmp), databases["kit"], turns)
+            await bare_thread(model_url, databases["bare"], turns)
+            await bare_thread(model_url, databases["bare_records"], turns, records=True)
+            for side, database in databases.items():
+                found[side].append(table_bytes(database) / 1e6)
+                found[f"{side}_thread"].append((table_bytes(database) - empty[side]) / 1e6)
+                found[f"{side}_langgraph"].append(table_bytes(database, LANGGRAPH_TABLES) / 1e6)
                 postgres_server.drop_database(server_url, database)
     return found
 
@@ -425,6 +452,9 @@ def rows(quick: bool = False) -> list[dict]:
         {"benchmark": "postgres", "measure": f"one {turns}-turn thread of 4 KB turns: its own rows (every table, "
          "less the same tables freshly migrated), after VACUUM", "kit_runs": sizes["kit_thread"],
          "bare_runs": sizes["bare_thread"], "unit": "MB"},
+        {"benchmark": "postgres", "measure": f"one {turns}-turn thread of 4 KB turns: its own rows, bare with a run "
+         "record of its own (a row a turn: `running` before it, its outcome after), after VACUUM",
+         "kit_runs": sizes["kit_thread"], "bare_runs": sizes["bare_records_thread"], "unit": "MB"},
         {"benchmark": "postgres", "measure": f"one {turns}-turn thread of 4 KB turns: LangGraph's tables alone",
          "kit_runs": sizes["kit_langgraph"], "bare_runs": sizes["bare_langgraph"], "unit": "MB"},
     ]
