@@ -43,6 +43,7 @@ import sqlite3
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -109,14 +110,15 @@ async def run_bare_postgres(url: str, database_url: str) -> float:
 
 
 # A run record of the user's own: the least a durable run adds to bare LangGraph.
-RUN_RECORDS = """CREATE TABLE IF NOT EXISTS runs (id TEXT PRIMARY KEY, thread_id TEXT NOT NULL, status TEXT NOT NULL,
-    started_at TIMESTAMPTZ NOT NULL, finished_at TIMESTAMPTZ)"""
+RUN_RECORDS = """CREATE TABLE IF NOT EXISTS run_records (id TEXT PRIMARY KEY, thread_id TEXT NOT NULL,
+    status TEXT NOT NULL, started_at TIMESTAMPTZ NOT NULL, finished_at TIMESTAMPTZ)"""
 
 
 class RunRecords:
     """Each turn's run recorded as the kit's contract asks, the least a user would add: a
-    `running` row committed before the graph starts, its outcome committed after it ends (one
-    autocommit statement each, on a connection of their own, in the table `RUN_RECORDS`)."""
+    `running` row committed before the graph starts, its outcome committed after it ends
+    (`completed`, or `failed` when the turn raised), one autocommit statement each, on a
+    connection of their own, in the table `run_records` (made by `open`, if missing)."""
 
     def __init__(self, conn) -> None:
         self.conn = conn
@@ -132,12 +134,15 @@ class RunRecords:
 
     @asynccontextmanager
     async def turn(self, thread_id: str) -> AsyncIterator[None]:
-        import uuid
-
         run_id = str(uuid.uuid4())
-        await self.conn.execute("INSERT INTO runs VALUES (%s, %s, 'running', now(), NULL)", (run_id, thread_id))
-        yield
-        await self.conn.execute("UPDATE runs SET status = 'completed', finished_at = now() WHERE id = %s", (run_id,))
+        await self.conn.execute("INSERT INTO run_records VALUES (%s, %s, 'running', now(), NULL)", (run_id, thread_id))
+        status = "failed"
+        try:
+            yield
+            status = "completed"
+        finally:
+            await self.conn.execute("UPDATE run_records SET status = %s, finished_at = now() WHERE id = %s",
+                                    (status, run_id))
 
 
 async def run_bare_with_run_records(url: str, database_url: str) -> float:
@@ -175,12 +180,14 @@ async def steps(server_url: str, model_url: str, rounds: int) -> dict[str, list[
 
 # --- storage -----------------------------------------------------------------------------------
 
-def table_bytes(database_url: str, only: tuple[str, ...] | None = None) -> int:
-    """Bytes of the database's own tables (`public`), or of those named `only`, after a VACUUM."""
+def table_bytes(database_url: str, only: tuple[str, ...] | None = None, vacuum: bool = True) -> int:
+    """Bytes of the database's own tables (`public`), or of those named `only`, after a VACUUM
+    (`vacuum=False`: measured as they are, after the VACUUM of the call before)."""
     import psycopg
 
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute("VACUUM")
+        if vacuum:
+            conn.execute("VACUUM")
         return conn.execute(
             "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)::bigint FROM pg_class c"
             " JOIN pg_namespace n ON n.oid = c.relnamespace"
@@ -214,7 +221,7 @@ async def kit_thread(url: str, folder: Path, database_url: str, turns: int) -> N
 
 async def bare_thread(url: str, database_url: str, turns: int, records: bool = False) -> None:
     """`turns` turns of bare LangGraph on one thread; with `records`, each turn's run recorded
-    (`RunRecords`, its table made first, so that `turns=0` leaves the tables empty)."""
+    (`RunRecords`, whose table is made even for `turns=0`: the empty tables `storage` measures)."""
     from growth import user_message
     from langchain_core.messages import HumanMessage
 
@@ -224,14 +231,16 @@ async def bare_thread(url: str, database_url: str, turns: int, records: bool = F
         graph = bare_graph(url, saver)
         config = thread()
         for turn in range(turns):
-            async with recorded.turn(config["configurable"]["thread_id"]) if recorded else contextlib.nullcontext():
+            async with (recorded.turn(config["configurable"]["thread_id"]) if recorded is not None
+                        else contextlib.nullcontext()):
                 await graph.ainvoke({"messages": [HumanMessage(user_message(turn))]}, config, durability="sync")
 
 
 async def storage(server_url: str, model_url: str, turns: int, rounds: int) -> dict[str, list[float]]:
     """MB of every table, of the thread's own rows (every table less the same tables freshly
     migrated: the schema's fixed cost left out) and of LangGraph's tables, each side, one
-    figure per round; bare also with a run record of its own (`bare_records`)."""
+    figure per round; bare also with a run record of its own (`bare_records`: its own rows are
+    the storage row's anchor; its other figures are kept for a look, not printed)."""
     sides = ("kit", "bare", "bare_records")
     found: dict[str, list[float]] = {f"{side}{part}": [] for side in sides for part in ("", "_thread", "_langgraph")}
     for _ in range(rounds):
@@ -245,9 +254,10 @@ async def storage(server_url: str, model_url: str, turns: int, rounds: int) -> d
             await bare_thread(model_url, databases["bare"], turns)
             await bare_thread(model_url, databases["bare_records"], turns, records=True)
             for side, database in databases.items():
-                found[side].append(table_bytes(database) / 1e6)
-                found[f"{side}_thread"].append((table_bytes(database) - empty[side]) / 1e6)
-                found[f"{side}_langgraph"].append(table_bytes(database, LANGGRAPH_TABLES) / 1e6)
+                full = table_bytes(database)
+                found[side].append(full / 1e6)
+                found[f"{side}_thread"].append((full - empty[side]) / 1e6)
+                found[f"{side}_langgraph"].append(table_bytes(database, LANGGRAPH_TABLES, vacuum=False) / 1e6)
                 postgres_server.drop_database(server_url, database)
     return found
 
