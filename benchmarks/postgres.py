@@ -45,7 +45,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +123,7 @@ class RunRecords:
         self.conn = conn
 
     @classmethod
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def open(cls, database_url: str) -> AsyncIterator["RunRecords"]:
         import psycopg
 
@@ -132,7 +131,7 @@ class RunRecords:
             await conn.execute(RUN_RECORDS)
             yield cls(conn)
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def turn(self, thread_id: str) -> AsyncIterator[None]:
         run_id = str(uuid.uuid4())
         await self.conn.execute("INSERT INTO run_records VALUES (%s, %s, 'running', now(), NULL)", (run_id, thread_id))
@@ -225,14 +224,12 @@ async def bare_thread(url: str, database_url: str, turns: int, records: bool = F
     from growth import user_message
     from langchain_core.messages import HumanMessage
 
-    async with contextlib.AsyncExitStack() as stack:
-        saver = await stack.enter_async_context(postgres_saver(database_url))
-        recorded = await stack.enter_async_context(RunRecords.open(database_url)) if records else None
+    async with postgres_saver(database_url) as saver, \
+            (RunRecords.open(database_url) if records else contextlib.nullcontext()) as recorded:
         graph = bare_graph(url, saver)
         config = thread()
         for turn in range(turns):
-            async with (recorded.turn(config["configurable"]["thread_id"]) if recorded is not None
-                        else contextlib.nullcontext()):
+            async with recorded.turn(config["configurable"]["thread_id"]) if recorded else contextlib.nullcontext():
                 await graph.ainvoke({"messages": [HumanMessage(user_message(turn))]}, config, durability="sync")
 
 
